@@ -1,0 +1,26 @@
+# The two set-up commands of the README: `make demo` (main job) and `make test` (whole suite).
+# Both create .venv and install what they need; CPU torch 2.13.0 goes in first so that no
+# CUDA build is pulled.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+.PHONY: install demo test lint bench
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/retool demo
+
+test: $(STAMP)
+	$(BIN)/ruff check services tests bench
+	$(BIN)/python -m pytest -q -ra
+
+bench: $(STAMP)
+	$(BIN)/python bench/sandbox.py

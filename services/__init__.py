@@ -1,0 +1,1 @@
+"""ReTool services: sandbox, reward, rollout, trainer and what they share."""

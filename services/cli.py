@@ -1,0 +1,39 @@
+"""The ``retool`` console script: one sub-command group per service and per job.
+
+Invariant: importing this module is cheap (no torch/sympy); heavy imports happen inside the
+command that needs them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from services.common.config import ConfigError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="ReTool: RL post-training with a code-interpreter tool, as services.")
+
+
+def _register() -> None:
+    from services import demo
+    from services.sandbox import cli as sandbox_cli
+
+    app.add_typer(sandbox_cli.app, name="sandbox", help="Sandboxed Python execution service.")
+    app.command("demo", help="Run the main job on an embedded default (no external services).")(demo.run)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=True)
+    except ConfigError as exc:  # raised before anything starts
+        print(f"config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Generation engines behind one async, token-in/token-out interface."""

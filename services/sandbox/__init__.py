@@ -1,0 +1,1 @@
+"""Sandbox service: SandboxFusion-compatible ``/run_code`` on warm, isolated Python workers."""

@@ -1,0 +1,47 @@
+"""Sandbox service configuration (one validated model; env prefix ``RETOOL_SANDBOX``)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from services.common.config import StrictModel
+
+DEFAULT_PRELOAD = (
+    "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
+    "statistics", "re", "json", "heapq", "bisect", "string", "numbers", "operator", "numpy", "sympy",
+)
+
+
+class SandboxConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    log_level: str = "INFO"
+
+    max_concurrency: int = Field(128, ge=1, le=4096, description="executions running at once")
+    max_queue: int = Field(1024, ge=0, description="requests waiting for a slot; beyond -> 429")
+    queue_timeout_s: float = Field(60.0, gt=0, description="longest wait for a slot before 503")
+
+    default_memory_mb: int = Field(1024, ge=16)
+    max_memory_mb: int = Field(4096, ge=16)
+    default_run_timeout_s: float = Field(10.0, gt=0)
+    max_run_timeout_s: float = Field(60.0, gt=0)
+    max_output_bytes: int = Field(64 * 1024, ge=64, description="per stream (stdout, stderr)")
+    max_processes: int = Field(32, ge=1, description="processes/threads one run may have at once")
+    workdir_size_mb: int = Field(64, ge=1, description="size of each run's private tmpfs")
+    max_fetch_file_bytes: int = Field(8 * 1024 * 1024, ge=0)
+
+    preload_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
+    zygotes: int = Field(2, ge=1, le=64, description="warm fork servers (spread fork cost over cores)")
+    uid_base: int = Field(61000, ge=1000, description="run i uses uid/gid uid_base + slot")
+    require_isolation: bool = Field(
+        True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")
+
+    @model_validator(mode="after")
+    def _limits_consistent(self) -> SandboxConfig:
+        if self.default_memory_mb > self.max_memory_mb:
+            raise ValueError(f"default_memory_mb ({self.default_memory_mb}) exceeds max_memory_mb "
+                             f"({self.max_memory_mb})")
+        if self.default_run_timeout_s > self.max_run_timeout_s:
+            raise ValueError(f"default_run_timeout_s ({self.default_run_timeout_s}) exceeds "
+                             f"max_run_timeout_s ({self.max_run_timeout_s})")
+        return self
