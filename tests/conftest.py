@@ -19,9 +19,21 @@ def redis_server(tmp_path) -> Iterator[RedisServer]:
         server.stop()
 
 
+SANDBOX_SECRET = "s3cr3t-weight-token-7f1c2a"
+
+
 @pytest.fixture(scope="session")
-def sandbox_url(tmp_path_factory) -> Iterator[str]:
-    """A real sandbox service on loopback, shared by the session's integration tests."""
+def sandbox(tmp_path_factory) -> Iterator[SandboxProcess]:
+    """A real sandbox service on loopback, shared by the session's integration tests.
+
+    Its environment holds a secret that no sandboxed run may ever see.
+    """
     log = tmp_path_factory.mktemp("sandbox") / "sandbox.log"
-    with SandboxProcess(["--set", "max_concurrency=32", "--set", "zygotes=1"], log_path=str(log)) as proc:
-        yield proc.url
+    args = ["--set", "max_concurrency=32", "--set", "zygotes=1", "--set", "max_output_bytes=4096"]
+    with SandboxProcess(args, log_path=str(log), env={"RETOOL_WEIGHT_TOKEN": SANDBOX_SECRET}) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def sandbox_url(sandbox: SandboxProcess) -> str:
+    return sandbox.url

@@ -1,0 +1,137 @@
+"""Sandbox benchmark: our service vs SandboxFusion's fresh-``python file.py`` method, one run.
+
+Both are real HTTP servers on loopback, started here as separate processes with the same
+concurrency limit; the same closed-loop load (``C`` clients, each sending its next request
+when the previous answer arrives) runs for ``--seconds`` per cell. Prints throughput and
+p50/p99 latency for each workload x concurrency, and our/baseline ratios.
+
+Usage: ``python bench/sandbox.py [--quick] [--concurrency 1 32 128] [--seconds 10]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.common.process import free_port, wait_http_healthy  # noqa: E402
+from services.sandbox.launcher import SandboxProcess  # noqa: E402
+
+WORKLOADS = {
+    "hello": ('print("Hello, world!")', "Hello, world!\n"),
+    "sympy": ("import sympy as sp; x = sp.symbols('x'); print(sp.solve(x**2 - 2, x))",
+              "[-sqrt(2), sqrt(2)]\n"),
+    "numpy": ("import numpy as np; a = np.arange(1, 101); "
+              "print(int(a @ a), float(np.linalg.inv(np.eye(100) * 2).trace()))", "338350 50.0\n"),
+}
+
+
+@dataclass
+class Cell:
+    system: str
+    workload: str
+    concurrency: int
+    requests: int
+    failures: int
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+
+
+async def _load(url: str, code: str, expect: str, concurrency: int,
+                seconds: float) -> tuple[list[float], int]:
+    latencies: list[float] = []
+    failures = 0
+    deadline = time.monotonic() + seconds
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        async def worker() -> None:
+            nonlocal failures
+            while time.monotonic() < deadline:
+                start = time.perf_counter()
+                try:
+                    r = await client.post("/run_code", json={"code": code, "language": "python",
+                                                             "run_timeout": 60})
+                    ok = r.status_code == 200 and r.json()["run_result"]["stdout"] == expect
+                except httpx.HTTPError:
+                    ok = False
+                latencies.append(time.perf_counter() - start)
+                failures += not ok
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies, failures
+
+
+def _cell(system: str, url: str, workload: str, concurrency: int, seconds: float) -> Cell:
+    code, expect = WORKLOADS[workload]
+    start = time.perf_counter()
+    lat, failures = asyncio.run(_load(url, code, expect, concurrency, seconds))
+    elapsed = time.perf_counter() - start
+    lat_ms = sorted(x * 1000 for x in lat)
+    p99 = lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))]
+    return Cell(system, workload, concurrency, len(lat), failures, len(lat) / elapsed,
+                statistics.median(lat_ms), p99)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--seconds", type=float, default=10.0, help="load duration per cell")
+    parser.add_argument("--quick", action="store_true", help="3 s per cell, concurrency 1 and 32")
+    parser.add_argument("--out", default="bench/results/sandbox.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.seconds, args.concurrency = 3.0, [1, 32]
+    max_c = max(args.concurrency)
+
+    cells: list[Cell] = []
+    port = free_port()
+    baseline = subprocess.Popen([sys.executable, str(Path(__file__).with_name("baseline_sandbox.py")),
+                                 "--port", str(port), "--concurrency", str(max_c)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_http_healthy(f"http://127.0.0.1:{port}/healthz", 60, baseline)
+        with SandboxProcess(["--set", f"max_concurrency={max_c}"]) as ours:
+            asyncio.run(_load(ours.url, "print(1)", "1\n", 4, 1.0))  # warm connections
+            for workload in args.workloads:
+                for c in args.concurrency:
+                    for system, url in (("ours", ours.url), ("baseline", f"http://127.0.0.1:{port}")):
+                        cell = _cell(system, url, workload, c, args.seconds)
+                        cells.append(cell)
+                        print(f"{system:9s} {workload:6s} c={c:<4d} {cell.throughput:8.1f} req/s  "
+                              f"p50 {cell.p50_ms:8.1f} ms  p99 {cell.p99_ms:8.1f} ms  "
+                              f"n={cell.requests} failed={cell.failures}", flush=True)
+    finally:
+        baseline.terminate()
+        baseline.wait(10)
+
+    print("\n| workload | conc. | ours req/s | baseline req/s | ratio | ours p50/p99 ms "
+          "| baseline p50/p99 ms | failures (ours/base) |")
+    print("|---|---|---|---|---|---|---|---|")
+    by_key = {(c.system, c.workload, c.concurrency): c for c in cells}
+    for workload in args.workloads:
+        for c in args.concurrency:
+            o, b = by_key[("ours", workload, c)], by_key[("baseline", workload, c)]
+            print(f"| {workload} | {c} | {o.throughput:.1f} | {b.throughput:.1f} | "
+                  f"{o.throughput / max(b.throughput, 1e-9):.1f}x | {o.p50_ms:.0f}/{o.p99_ms:.0f} | "
+                  f"{b.p50_ms:.0f}/{b.p99_ms:.0f} | {o.failures}/{b.failures} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps([asdict(c) for c in cells], indent=1))
+    print(f"\nraw results: {args.out}  (cpus: {os.cpu_count()})")
+
+
+if __name__ == "__main__":
+    main()

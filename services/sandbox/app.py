@@ -1,0 +1,84 @@
+"""FastAPI app of the sandbox service: ``POST /run_code``, ``/healthz``, ``/metrics``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from services.common.metrics import MetricsRegistry, add_observability_routes
+from services.sandbox.config import SandboxConfig
+from services.sandbox.executor import Executor, QueueFull, QueueTimeout
+from services.sandbox.schemas import RunCodeRequest, RunCodeResponse
+
+
+class SandboxMetrics:
+    def __init__(self) -> None:
+        self.registry = MetricsRegistry("sandbox")
+        self.requests = self.registry.counter("requests_total", "Run requests by outcome status",
+                                              ("status",))
+        self.latency = self.registry.histogram("execution_seconds", "Run latency incl. queueing")
+        self.in_flight = self.registry.gauge("executions_in_flight", "Runs executing now")
+        self.queue_depth = self.registry.gauge("queue_depth", "Requests waiting for a slot")
+        self.rejections = self.registry.counter("rejections_total", "Requests refused", ("reason",))
+        self.truncations = self.registry.counter("output_truncations_total", "Runs with capped output")
+
+
+def create_app(cfg: SandboxConfig) -> FastAPI:
+    executor = Executor(cfg)
+    metrics = SandboxMetrics()
+    metrics.in_flight.set_function(lambda: executor.stats.in_flight)
+    metrics.queue_depth.set_function(lambda: executor.stats.queued)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await executor.start()
+        try:
+            yield
+        finally:
+            await executor.stop()
+
+    app = FastAPI(title="retool sandbox", version="0.1.0", lifespan=lifespan)
+    app.state.executor = executor
+
+    def health() -> dict[str, object]:
+        alive = executor.healthy_zygotes
+        return {"status": "ok" if alive > 0 else "degraded", "zygotes_alive": alive,
+                "zygotes": len(executor.zygotes), "in_flight": executor.stats.in_flight,
+                "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency}
+
+    add_observability_routes(app, metrics.registry, health)
+
+    @app.post("/run_code", response_model=RunCodeResponse)
+    async def run_code(req: RunCodeRequest) -> RunCodeResponse | JSONResponse:
+        if req.run_timeout is not None and req.run_timeout > cfg.max_run_timeout_s:
+            return _unprocessable("run_timeout", f"run_timeout {req.run_timeout} exceeds the maximum "
+                                                 f"{cfg.max_run_timeout_s} s")
+        if req.memory_limit_MB > cfg.max_memory_mb:
+            return _unprocessable("memory_limit_MB", f"memory_limit_MB {req.memory_limit_MB} exceeds "
+                                                     f"the maximum {cfg.max_memory_mb}")
+        start = time.perf_counter()
+        try:
+            resp = await executor.run(req)
+        except QueueFull as exc:
+            metrics.rejections.labels("queue_full").inc()
+            return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
+        except QueueTimeout as exc:
+            metrics.rejections.labels("queue_timeout").inc()
+            return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        metrics.latency.observe(time.perf_counter() - start)
+        metrics.requests.labels(resp.status.value).inc()
+        if resp.run_result and "[output truncated:" in ((resp.run_result.stdout or "")
+                                                         + (resp.run_result.stderr or "")):
+            metrics.truncations.inc()
+        return resp
+
+    return app
+
+
+def _unprocessable(field: str, msg: str) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"detail": [
+        {"type": "value_error", "loc": ["body", field], "msg": msg}]})

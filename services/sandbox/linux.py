@@ -1,0 +1,66 @@
+"""Thin ctypes wrappers over the Linux calls the sandbox needs (Python 3.11 lacks os.unshare).
+
+Invariant: every wrapper raises ``OSError`` with errno on failure; nothing fails silently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.unshare.argtypes = [ctypes.c_int]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_MOVE = 8192
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NO_NEW_PRIVS = 38
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
+
+    _check(_libc.mount(enc(source), target.encode(), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def prctl(option: int, arg: int) -> None:
+    _check(_libc.prctl(option, arg, 0, 0, 0), "prctl")
+
+
+def mount_points() -> list[tuple[str, set[str]]]:
+    """Mount points of this mount namespace with their per-mount flags, from /proc/self/mountinfo."""
+    out: list[tuple[str, set[str]]] = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            parts = line.split()
+            target = parts[4].encode().decode("unicode_escape")
+            out.append((target, set(parts[5].split(","))))
+    return out

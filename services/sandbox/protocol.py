@@ -1,0 +1,70 @@
+"""Framing between the service and its zygotes: 4-byte big-endian length + msgpack map.
+
+The request and result dicts are the ``RunSpec`` / ``RunOutcome`` models' dumps.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+from pydantic import BaseModel, Field
+
+MAX_FRAME = 256 * 1024 * 1024
+
+
+class RunSpec(BaseModel):
+    """What one run executes, with every limit already resolved by the service."""
+
+    code: str
+    stdin: bytes = b""
+    files: dict[str, bytes] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+    timeout_s: float
+    memory_mb: int
+    uid: int
+    max_output_bytes: int
+    max_processes: int
+    workdir_size_mb: int
+    max_fetch_file_bytes: int
+
+
+class RunOutcome(BaseModel):
+    ok: bool = True
+    error: str = ""
+    return_code: int | None = None
+    timed_out: bool = False
+    execution_time: float = 0.0
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: int = 0
+    stderr_truncated: int = 0
+    files: dict[str, bytes] = Field(default_factory=dict)
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def unpack_body(body: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(body, raw=False)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection mid-frame")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> dict[str, Any]:
+    (length,) = struct.unpack(">I", recv_exact(sock, 4))
+    if length > MAX_FRAME:
+        raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    return unpack_body(recv_exact(sock, length))

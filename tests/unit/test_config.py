@@ -1,0 +1,76 @@
+from pathlib import Path
+
+import pytest
+from pydantic import Field
+
+from services.common.config import ConfigError, StrictModel, load_config
+
+
+class Inner(StrictModel):
+    size: int = Field(4, ge=1)
+    name: str = "x"
+
+
+class Cfg(StrictModel):
+    port: int = Field(8000, ge=0, le=65535)
+    ratio: float = 0.5
+    inner: Inner = Inner()
+    tags: list[str] = []
+
+
+def test_defaults_when_nothing_given():
+    cfg = load_config(Cfg, environ={})
+    assert cfg.port == 8000 and cfg.inner.size == 4
+
+
+def test_layering_file_then_env_then_cli(tmp_path: Path):
+    f = tmp_path / "c.yaml"
+    f.write_text("port: 9000\ninner:\n  size: 7\n  name: file\n")
+    env = {"RETOOL_T__PORT": "9100", "RETOOL_T__INNER__NAME": "env", "OTHER": "1"}
+    cfg = load_config(Cfg, file=f, env_prefix="RETOOL_T", environ=env, overrides=["inner.size=9"])
+    assert cfg.port == 9100            # env beats file
+    assert cfg.inner.name == "env"     # env beats file, nested
+    assert cfg.inner.size == 9         # CLI beats file
+    cfg2 = load_config(Cfg, file=f, env_prefix="RETOOL_T", environ=env, overrides=["port=1"])
+    assert cfg2.port == 1              # CLI beats env
+
+
+def test_cli_values_are_yaml_scalars():
+    cfg = load_config(Cfg, environ={}, overrides=["tags=[a, b]", "ratio=0.25"])
+    assert cfg.tags == ["a", "b"] and cfg.ratio == 0.25
+
+
+def test_json_file(tmp_path: Path):
+    f = tmp_path / "c.json"
+    f.write_text('{"port": 1234}')
+    assert load_config(Cfg, file=f).port == 1234
+
+
+def test_invalid_value_names_the_field():
+    with pytest.raises(ConfigError) as err:
+        load_config(Cfg, environ={}, overrides=["inner.size=0", "port=70000"])
+    msg = str(err.value)
+    assert "inner.size" in msg and "port" in msg
+
+
+def test_unknown_key_is_an_error(tmp_path: Path):
+    f = tmp_path / "c.yaml"
+    f.write_text("prot: 1\n")
+    with pytest.raises(ConfigError, match="prot"):
+        load_config(Cfg, file=f)
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(Cfg, file="/nonexistent/x.yaml")
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(Cfg, overrides=["portonly"])
+
+
+def test_sandbox_config_cross_field_check():
+    from services.sandbox.config import SandboxConfig
+
+    with pytest.raises(ConfigError, match="default_memory_mb"):
+        load_config(SandboxConfig, environ={}, overrides=["default_memory_mb=8192", "max_memory_mb=4096"])
+    assert load_config(SandboxConfig, environ={}).max_concurrency == 128
+    assert load_config(SandboxConfig, environ={}).default_memory_mb == 1024
