@@ -29,7 +29,8 @@ def sandbox(tmp_path_factory) -> Iterator[SandboxProcess]:
     Its environment holds a secret that no sandboxed run may ever see.
     """
     log = tmp_path_factory.mktemp("sandbox") / "sandbox.log"
-    args = ["--set", "max_concurrency=32", "--set", "zygotes=1", "--set", "max_output_bytes=4096"]
+    args = ["--set", "max_concurrency=32", "--set", "zygotes=1", "--set", "light_zygotes=1",
+            "--set", "max_output_bytes=4096"]
     with SandboxProcess(args, log_path=str(log), env={"RETOOL_WEIGHT_TOKEN": SANDBOX_SECRET}) as proc:
         yield proc
 

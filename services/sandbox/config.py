@@ -11,6 +11,11 @@ DEFAULT_PRELOAD = (
     "statistics", "re", "json", "heapq", "bisect", "string", "numbers", "operator", "numpy", "sympy",
 )
 
+LIGHT_PRELOAD = (
+    "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
+    "statistics", "re", "json", "heapq", "bisect", "string", "operator",
+)
+
 
 class SandboxConfig(StrictModel):
     host: str = "127.0.0.1"
@@ -31,7 +36,10 @@ class SandboxConfig(StrictModel):
     max_fetch_file_bytes: int = Field(8 * 1024 * 1024, ge=0)
 
     preload_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
-    zygotes: int = Field(2, ge=1, le=64, description="warm fork servers (spread fork cost over cores)")
+    zygotes: int = Field(2, ge=1, le=64, description="warm fork servers with preload_modules")
+    light_zygotes: int = Field(2, ge=0, le=64, description="warm fork servers with only the standard "
+                               "library, for code that imports nothing else (cheaper fork); 0 = off")
+    light_preload_modules: list[str] = Field(default_factory=lambda: list(LIGHT_PRELOAD))
     uid_base: int = Field(61000, ge=1000, description="run i uses uid/gid uid_base + slot")
     require_isolation: bool = Field(
         True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from services.common.logging import get_logger
 from services.sandbox.config import SandboxConfig
 from services.sandbox.protocol import RunOutcome, RunSpec, pack, unpack_body
+from services.sandbox.routing import runs_on_light
 from services.sandbox.schemas import (
     CommandRunResult,
     CommandRunStatus,
@@ -57,9 +58,9 @@ class QueueTimeout(Exception):
 
 
 class Zygote:
-    def __init__(self, index: int, sock_dir: str, preload: list[str]) -> None:
-        self.index = index
-        self.sock_path = os.path.join(sock_dir, f"zygote-{index}.sock")
+    def __init__(self, name: str, sock_dir: str, preload: list[str]) -> None:
+        self.name = name
+        self.sock_path = os.path.join(sock_dir, f"zygote-{name}.sock")
         self.preload = preload
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
@@ -79,7 +80,7 @@ class Zygote:
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
         if line.strip() != b"READY":
-            raise RuntimeError(f"zygote {self.index} failed to start (exit code {self.proc.returncode})")
+            raise RuntimeError(f"zygote {self.name} failed to start (exit code {self.proc.returncode})")
 
     async def stop(self) -> None:
         if self.alive:
@@ -90,12 +91,12 @@ class Zygote:
     async def run(self, spec: RunSpec) -> RunOutcome:
         reader, writer = await asyncio.open_unix_connection(self.sock_path)
         try:
-            writer.write(pack(spec.model_dump()))
+            writer.write(pack(spec))
             await writer.drain()
             async with asyncio.timeout(spec.timeout_s + _REPLY_GRACE_S):
                 (length,) = struct.unpack(">I", await reader.readexactly(4))
                 body = await reader.readexactly(length)
-            return RunOutcome.model_validate(unpack_body(body))
+            return RunOutcome(**unpack_body(body))
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -113,7 +114,11 @@ class Executor:
         self.cfg = cfg
         self._sock_dir = tempfile.mkdtemp(prefix="retool-sandbox-")
         os.chmod(self._sock_dir, 0o700)
-        self.zygotes = [Zygote(i, self._sock_dir, cfg.preload_modules) for i in range(cfg.zygotes)]
+        self.full = [Zygote(f"full-{i}", self._sock_dir, cfg.preload_modules) for i in range(cfg.zygotes)]
+        self.light = [Zygote(f"light-{i}", self._sock_dir, cfg.light_preload_modules)
+                      for i in range(cfg.light_zygotes)]
+        self.zygotes = self.full + self.light
+        self._light_modules = frozenset(cfg.light_preload_modules)
         self._slots: asyncio.Queue[int] = asyncio.Queue()
         self.stats = ExecStats()
         self._watchdog: asyncio.Task[None] | None = None
@@ -138,7 +143,7 @@ class Executor:
             await asyncio.sleep(1.0)
             for z in self.zygotes:
                 if not z.alive:
-                    log.warning("zygote died; restarting", extra={"zygote": z.index})
+                    log.warning("zygote died; restarting", extra={"zygote": z.name})
                     z.restarts += 1
                     with contextlib.suppress(Exception):
                         await z.start()
@@ -176,12 +181,13 @@ class Executor:
         self.stats.in_flight += 1
         try:
             spec = self.spec_for(req, slot)
-            zygote = self.zygotes[slot % len(self.zygotes)]
-            if not zygote.alive:
+            pool = self.light if self.light and runs_on_light(req.code, self._light_modules) else self.full
+            zygote = pool[slot % len(pool)]
+            if not zygote.alive:  # being restarted: any live zygote gives the same result
                 zygote = next((z for z in self.zygotes if z.alive), zygote)
             try:
                 outcome = await zygote.run(spec)
-            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, TypeError) as exc:
                 outcome = RunOutcome(ok=False, error=f"executor unavailable: {type(exc).__name__}: {exc}")
             return to_response(outcome)
         finally:

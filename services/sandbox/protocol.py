@@ -1,27 +1,28 @@
 """Framing between the service and its zygotes: 4-byte big-endian length + msgpack map.
 
-The request and result dicts are the ``RunSpec`` / ``RunOutcome`` models' dumps.
+The request and result maps are ``RunSpec`` / ``RunOutcome`` as dicts. These are plain
+dataclasses, not pydantic models, on purpose: this module is imported by the zygotes, and
+every megabyte of their heap is copied on each fork. The HTTP boundary (``schemas``) is
+where requests are validated; a map with an unknown or missing field fails here loudly.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel, Field
 
 MAX_FRAME = 256 * 1024 * 1024
 
 
-class RunSpec(BaseModel):
+@dataclass
+class RunSpec:
     """What one run executes, with every limit already resolved by the service."""
 
     code: str
-    stdin: bytes = b""
-    files: dict[str, bytes] = Field(default_factory=dict)
-    fetch_files: list[str] = Field(default_factory=list)
     timeout_s: float
     memory_mb: int
     uid: int
@@ -29,9 +30,13 @@ class RunSpec(BaseModel):
     max_processes: int
     workdir_size_mb: int
     max_fetch_file_bytes: int
+    stdin: bytes = b""
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_files: list[str] = field(default_factory=list)
 
 
-class RunOutcome(BaseModel):
+@dataclass
+class RunOutcome:
     ok: bool = True
     error: str = ""
     return_code: int | None = None
@@ -41,10 +46,12 @@ class RunOutcome(BaseModel):
     stderr: bytes = b""
     stdout_truncated: int = 0
     stderr_truncated: int = 0
-    files: dict[str, bytes] = Field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
-def pack(obj: dict[str, Any]) -> bytes:
+def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:
+    if not isinstance(obj, dict):
+        obj = asdict(obj)
     body = msgpack.packb(obj, use_bin_type=True)
     return struct.pack(">I", len(body)) + body
 

@@ -76,11 +76,11 @@ class CappedBuffer:
 def serve_connection(conn: socket.socket) -> None:
     """Entry point of a freshly forked runner: one request in, one outcome out."""
     try:
-        spec = RunSpec.model_validate(recv_frame(conn))
+        spec = RunSpec(**recv_frame(conn))
         outcome = execute(spec)
     except Exception as exc:  # any failure here is the sandbox's, reported as SandboxError
         outcome = RunOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
-    conn.sendall(pack(outcome.model_dump()))
+    conn.sendall(pack(outcome))
 
 
 def execute(spec: RunSpec) -> RunOutcome:

@@ -31,7 +31,8 @@ async def test_250_simultaneous_requests_all_answered_correctly(sandbox_url):
 
 
 async def test_full_queue_answers_429_fast_and_never_hangs(tmp_path):
-    args = ["--set", "max_concurrency=2", "--set", "max_queue=2", "--set", "zygotes=1"]
+    args = ["--set", "max_concurrency=2", "--set", "max_queue=2", "--set", "zygotes=1",
+            "--set", "light_zygotes=0"]
     with SandboxProcess(args, log_path=str(tmp_path / "sb.log")) as sb:
         async with httpx.AsyncClient(base_url=sb.url, timeout=60) as client:
             slow = {"code": "import time; time.sleep(3)", "language": "python"}
@@ -49,7 +50,8 @@ async def test_full_queue_answers_429_fast_and_never_hangs(tmp_path):
 
 
 def test_dead_zygote_is_replaced_and_service_recovers(tmp_path):
-    with SandboxProcess(["--set", "zygotes=1"], log_path=str(tmp_path / "sb.log")) as sb:
+    args = ["--set", "zygotes=1", "--set", "light_zygotes=0"]
+    with SandboxProcess(args, log_path=str(tmp_path / "sb.log")) as sb:
         with open(f"/proc/{sb.proc.pid}/task/{sb.proc.pid}/children") as fh:
             children = fh.read().split()
         zygote_pid = int(children[0])
