@@ -48,7 +48,8 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
         alive = executor.healthy_zygotes
         return {"status": "ok" if alive > 0 else "degraded", "zygotes_alive": alive,
                 "zygotes": len(executor.zygotes), "in_flight": executor.stats.in_flight,
-                "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency}
+                "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
+                "cgroups": executor.cgroups.version if executor.cgroups else None}
 
     add_observability_routes(app, metrics.registry, health)
 

@@ -41,6 +41,7 @@ class SandboxConfig(StrictModel):
                                "library, for code that imports nothing else (cheaper fork); 0 = off")
     light_preload_modules: list[str] = Field(default_factory=lambda: list(LIGHT_PRELOAD))
     uid_base: int = Field(61000, ge=1000, description="run i uses uid/gid uid_base + slot")
+    use_cgroups: bool = Field(True, description="per-run cgroup for total memory/pids when available")
     require_isolation: bool = Field(
         True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")
 

@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 
 from services.common.logging import get_logger
+from services.sandbox.cgroups import CgroupPlan
 from services.sandbox.config import SandboxConfig
 from services.sandbox.protocol import RunOutcome, RunSpec, pack, unpack_body
 from services.sandbox.routing import runs_on_light
@@ -58,8 +59,9 @@ class QueueTimeout(Exception):
 
 
 class Zygote:
-    def __init__(self, name: str, sock_dir: str, preload: list[str]) -> None:
+    def __init__(self, name: str, sock_dir: str, preload: list[str], writable: list[str]) -> None:
         self.name = name
+        self.writable = writable
         self.sock_path = os.path.join(sock_dir, f"zygote-{name}.sock")
         self.preload = preload
         self.proc: asyncio.subprocess.Process | None = None
@@ -75,8 +77,8 @@ class Zygote:
         env = {**_ZYGOTE_ENV, "PYTHONPATH": _PACKAGE_ROOT}
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.sandbox.zygote", "--socket", self.sock_path,
-            "--preload", ",".join(self.preload), env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, cwd="/")
+            "--preload", ",".join(self.preload), "--writable", ",".join(self.writable), env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, cwd="/")
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
         if line.strip() != b"READY":
@@ -114,8 +116,15 @@ class Executor:
         self.cfg = cfg
         self._sock_dir = tempfile.mkdtemp(prefix="retool-sandbox-")
         os.chmod(self._sock_dir, 0o700)
-        self.full = [Zygote(f"full-{i}", self._sock_dir, cfg.preload_modules) for i in range(cfg.zygotes)]
-        self.light = [Zygote(f"light-{i}", self._sock_dir, cfg.light_preload_modules)
+        self.cgroups = CgroupPlan.detect(f"retool-sandbox-{os.getpid()}") if cfg.use_cgroups else None
+        if cfg.use_cgroups and self.cgroups is None:
+            log.warning("cgroups unavailable: memory and process limits apply per process only")
+        self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
+                              if self.cgroups else [])
+        writable = sorted(self.cgroups.mount_points()) if self.cgroups else []
+        self.full = [Zygote(f"full-{i}", self._sock_dir, cfg.preload_modules, writable)
+                     for i in range(cfg.zygotes)]
+        self.light = [Zygote(f"light-{i}", self._sock_dir, cfg.light_preload_modules, writable)
                       for i in range(cfg.light_zygotes)]
         self.zygotes = self.full + self.light
         self._light_modules = frozenset(cfg.light_preload_modules)
@@ -133,6 +142,8 @@ class Executor:
         if self._watchdog is not None:
             self._watchdog.cancel()
         await asyncio.gather(*(z.stop() for z in self.zygotes))
+        if self.cgroups is not None:
+            self.cgroups.remove()
         with contextlib.suppress(OSError):
             for name in os.listdir(self._sock_dir):
                 os.unlink(os.path.join(self._sock_dir, name))
@@ -170,7 +181,9 @@ class Executor:
     def spec_for(self, req: RunCodeRequest, slot: int) -> RunSpec:
         cfg = self.cfg
         memory = req.memory_limit_MB if req.memory_limit_MB > 0 else cfg.default_memory_mb
-        return RunSpec(code=req.code, stdin=(req.stdin or "").encode(), files=req.decoded_files(),
+        cg = self._slot_cgroups[slot] if self._slot_cgroups else None
+        return RunSpec(cgroup_limits=cg.limits if cg else {}, cgroup_procs=cg.procs if cg else [],
+                       code=req.code, stdin=(req.stdin or "").encode(), files=req.decoded_files(),
                        fetch_files=req.fetch_files, timeout_s=req.run_timeout or cfg.default_run_timeout_s,
                        memory_mb=memory, uid=cfg.uid_base + slot, max_output_bytes=cfg.max_output_bytes,
                        max_processes=cfg.max_processes, workdir_size_mb=cfg.workdir_size_mb,

@@ -33,6 +33,8 @@ class RunSpec:
     stdin: bytes = b""
     files: dict[str, bytes] = field(default_factory=dict)
     fetch_files: list[str] = field(default_factory=list)
+    cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind, see cgroups.py
+    cgroup_procs: list[str] = field(default_factory=list)
 
 
 @dataclass

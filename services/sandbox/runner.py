@@ -32,6 +32,7 @@ import stat
 import time
 
 from services.sandbox import linux, user_main
+from services.sandbox.cgroups import SlotCgroup, join, write_limits
 from services.sandbox.protocol import RunOutcome, RunSpec, pack, recv_frame
 
 WORKDIR = "/tmp/workspace"
@@ -91,12 +92,16 @@ def execute(spec: RunSpec) -> RunOutcome:
     err_r, err_w = os.pipe()
     in_r, in_w = os.pipe()
     st_r, st_w = os.pipe()
+    cgroup = SlotCgroup(spec.cgroup_limits, spec.cgroup_procs) if spec.cgroup_procs else None
+    if cgroup is not None:  # the whole run (all processes + tmpfs) within memory + tmpfs + COW slack
+        write_limits(cgroup, (spec.memory_mb + spec.workdir_size_mb) * 2**20 + _rss_bytes(),
+                     spec.max_processes)
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # pid 1 of the new pid namespace
         for fd in (out_r, err_r, in_w):
             os.close(fd)
-        _run(spec, in_r, out_w, err_w, st_w)  # never returns
+        _run(spec, cgroup, in_r, out_w, err_w, st_w)  # never returns
     for fd in (out_w, err_w, in_r, st_w):
         os.close(fd)
     out, err = CappedBuffer(spec.max_output_bytes), CappedBuffer(spec.max_output_bytes)
@@ -175,9 +180,11 @@ def _collect(pid: int, deadline: float, stdin: bytes, streams: dict[int, CappedB
     return killed
 
 
-def remount_readonly() -> None:
-    """Make every mount of the current (private) mount namespace read-only."""
+def remount_readonly(keep_writable: frozenset[str] = frozenset()) -> None:
+    """Make every mount of the current (private) mount namespace read-only, but ``keep_writable``."""
     for target, opts in linux.mount_points():
+        if target in keep_writable:
+            continue
         flags = linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY
         for name, bit in (("nosuid", linux.MS_NOSUID), ("nodev", linux.MS_NODEV),
                           ("noexec", linux.MS_NOEXEC)):
@@ -212,6 +219,11 @@ def _prepare_filesystem(spec: RunSpec) -> None:
     os.chdir(WORKDIR)
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _vm_data_bytes() -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -220,10 +232,12 @@ def _vm_data_bytes() -> int:
     return 0
 
 
-def _run(spec: RunSpec, in_r: int, out_w: int, err_w: int, st_w: int) -> None:
+def _run(spec: RunSpec, cgroup: SlotCgroup | None, in_r: int, out_w: int, err_w: int, st_w: int) -> None:
     """pid 1 of the run: set up as root, drop privileges, run the code, exit with its code."""
     code = 1
     try:
+        if cgroup is not None:
+            join(cgroup)
         _prepare_filesystem(spec)
         os.dup2(in_r, 0)
         os.dup2(out_w, 1)

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--preload", default="")
+    parser.add_argument("--writable", default="", help="mount points runners must write (cgroups)")
     args = parser.parse_args(argv)
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the service died before we set the death signal
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     listener = bind(args.socket)  # before the filesystem view turns read-only
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     expose_runtime(runtime_paths(package_root))
-    remount_readonly()  # every run's mount namespace is a copy of this read-only view
+    # every run's mount namespace is a copy of this read-only view
+    remount_readonly(frozenset(m for m in args.writable.split(",") if m))
     preload([m for m in args.preload.split(",") if m])
     serve(listener)
 

@@ -222,3 +222,29 @@ def test_no_descriptor_of_the_service_is_inherited(sandbox_url):
     code = "import os\nprint(sorted(int(f) for f in os.listdir('/proc/self/fd')))"
     out = stdout_of(run_code(sandbox_url, code))
     assert eval(out) == [0, 1, 2, 3]  # noqa: S307 - 3 is the listdir handle itself
+
+
+def test_memory_limit_covers_all_processes_of_a_run(sandbox_url):
+    """Eight processes of 600 MB each stay below the per-process limit, not below the run's."""
+    health = httpx.get(f"{sandbox_url}/healthz", timeout=10).json()
+    assert health["cgroups"] in (1, 2), "this host offers cgroups; the sandbox must use them"
+    code = """
+import os
+kids = []
+for _ in range(8):
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(600 * 2**20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        print("allocated", flush=True)
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+"""
+    r = run_code(sandbox_url, code, memory_limit_MB=1024, run_timeout=30)
+    allocated = stdout_of(r).count("allocated")
+    assert allocated <= 2, (allocated, r)  # 1024 MB + tmpfs + slack admits at most two
+    assert _wait_no_sandbox_processes() == []
+    _assert_service_ok(sandbox_url)
