@@ -42,6 +42,8 @@ class SandboxConfig(StrictModel):
     light_preload_modules: list[str] = Field(default_factory=lambda: list(LIGHT_PRELOAD))
     uid_base: int = Field(61000, ge=1000, description="run i uses uid/gid uid_base + slot")
     use_cgroups: bool = Field(True, description="per-run cgroup for total memory/pids when available")
+    cgroup_slack_mb: int = Field(256, ge=0, description="cgroup memory beyond memory limit + tmpfs, for "
+                                 "pages a run copies from its zygote")
     require_isolation: bool = Field(
         True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")
 

@@ -31,22 +31,13 @@ from services.sandbox.schemas import (
     RunCodeResponse,
     RunStatus,
 )
+from services.sandbox.user_main import RUN_ENV
 
 log = get_logger("sandbox.executor")
 
 # What a zygote (and so every run) may see of the environment: nothing secret.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_ZYGOTE_ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "LANG": "C.UTF-8",
-    "LC_ALL": "C.UTF-8",
-    "HOME": "/tmp",
-    "OPENBLAS_NUM_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "MPLBACKEND": "Agg",
-    "PYTHONDONTWRITEBYTECODE": "1",
-}
+_ZYGOTE_ENV = {**RUN_ENV, "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
 _REPLY_GRACE_S = 15.0
 
 
@@ -119,6 +110,7 @@ class Executor:
         self.cgroups = CgroupPlan.detect(f"retool-sandbox-{os.getpid()}") if cfg.use_cgroups else None
         if cfg.use_cgroups and self.cgroups is None:
             log.warning("cgroups unavailable: memory and process limits apply per process only")
+        self._slot_limits: dict[int, tuple[int, int]] = {}  # limits last written per slot cgroup
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])
         writable = sorted(self.cgroups.mount_points()) if self.cgroups else []
@@ -182,8 +174,14 @@ class Executor:
         cfg = self.cfg
         memory = req.memory_limit_MB if req.memory_limit_MB > 0 else cfg.default_memory_mb
         cg = self._slot_cgroups[slot] if self._slot_cgroups else None
-        return RunSpec(cgroup_limits=cg.limits if cg else {}, cgroup_procs=cg.procs if cg else [],
-                       code=req.code, stdin=(req.stdin or "").encode(), files=req.decoded_files(),
+        # the whole run: its memory limit, its tmpfs, and pages it copies from the zygote
+        limits = ((memory + cfg.workdir_size_mb + cfg.cgroup_slack_mb) * 2**20, cfg.max_processes)
+        write = cg is not None and self._slot_limits.get(slot) != limits
+        if write:
+            self._slot_limits[slot] = limits
+        return RunSpec(cgroup_limits=cg.limits if write and cg else {}, cgroup_procs=cg.procs if cg else [],
+                       cgroup_memory_bytes=limits[0], code=req.code, stdin=(req.stdin or "").encode(),
+                       files=req.decoded_files(),
                        fetch_files=req.fetch_files, timeout_s=req.run_timeout or cfg.default_run_timeout_s,
                        memory_mb=memory, uid=cfg.uid_base + slot, max_output_bytes=cfg.max_output_bytes,
                        max_processes=cfg.max_processes, workdir_size_mb=cfg.workdir_size_mb,
@@ -202,6 +200,8 @@ class Executor:
                 outcome = await zygote.run(spec)
             except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, TypeError) as exc:
                 outcome = RunOutcome(ok=False, error=f"executor unavailable: {type(exc).__name__}: {exc}")
+            if not outcome.ok:
+                self._slot_limits.pop(slot, None)  # unknown state: write the limits again next time
             return to_response(outcome)
         finally:
             self.stats.in_flight -= 1

@@ -33,8 +33,9 @@ class RunSpec:
     stdin: bytes = b""
     files: dict[str, bytes] = field(default_factory=dict)
     fetch_files: list[str] = field(default_factory=list)
-    cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind, see cgroups.py
-    cgroup_procs: list[str] = field(default_factory=list)
+    cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind; empty: unchanged
+    cgroup_procs: list[str] = field(default_factory=list)  # join these; empty: no cgroups
+    cgroup_memory_bytes: int = 0
 
 
 @dataclass

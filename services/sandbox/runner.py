@@ -93,9 +93,8 @@ def execute(spec: RunSpec) -> RunOutcome:
     in_r, in_w = os.pipe()
     st_r, st_w = os.pipe()
     cgroup = SlotCgroup(spec.cgroup_limits, spec.cgroup_procs) if spec.cgroup_procs else None
-    if cgroup is not None:  # the whole run (all processes + tmpfs) within memory + tmpfs + COW slack
-        write_limits(cgroup, (spec.memory_mb + spec.workdir_size_mb) * 2**20 + _rss_bytes(),
-                     spec.max_processes)
+    if cgroup is not None and cgroup.limits:  # sent only when this slot's limits change
+        write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # pid 1 of the new pid namespace
@@ -217,11 +216,6 @@ def _prepare_filesystem(spec: RunSpec) -> None:
             os.chown(os.path.join(root, name), spec.uid, spec.uid)
     os.chown(WORKDIR, spec.uid, spec.uid)
     os.chdir(WORKDIR)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _vm_data_bytes() -> int:

@@ -21,7 +21,7 @@ import threading
 import traceback
 import types
 
-_ENV = {
+RUN_ENV = {  # the whole environment a run sees (plus HOME)
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
     "LC_ALL": "C.UTF-8",
@@ -60,8 +60,12 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def run_user_code(source: str, workdir: str, filename: str) -> int:
-    os.environ.clear()
-    os.environ.update(_ENV, HOME=workdir)
+    want = {**RUN_ENV, "HOME": workdir}
+    for key in [k for k in os.environ if k not in want]:
+        del os.environ[key]
+    for key, value in want.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
     for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGALRM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
