@@ -50,9 +50,11 @@ class QueueTimeout(Exception):
 
 
 class Zygote:
-    def __init__(self, name: str, sock_dir: str, preload: list[str], writable: list[str]) -> None:
+    def __init__(self, name: str, sock_dir: str, preload: list[str], writable: list[str],
+                 slots: list[int]) -> None:
         self.name = name
         self.writable = writable
+        self.slots = slots
         self.sock_path = os.path.join(sock_dir, f"zygote-{name}.sock")
         self.preload = preload
         self.proc: asyncio.subprocess.Process | None = None
@@ -68,7 +70,8 @@ class Zygote:
         env = {**_ZYGOTE_ENV, "PYTHONPATH": _PACKAGE_ROOT}
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "services.sandbox.zygote", "--socket", self.sock_path,
-            "--preload", ",".join(self.preload), "--writable", ",".join(self.writable), env=env,
+            "--preload", ",".join(self.preload), "--writable", ",".join(self.writable),
+            "--netns-slots", ",".join(map(str, self.slots)), env=env,
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, cwd="/")
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
@@ -114,10 +117,13 @@ class Executor:
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])
         writable = sorted(self.cgroups.mount_points()) if self.cgroups else []
-        self.full = [Zygote(f"full-{i}", self._sock_dir, cfg.preload_modules, writable)
-                     for i in range(cfg.zygotes)]
-        self.light = [Zygote(f"light-{i}", self._sock_dir, cfg.light_preload_modules, writable)
-                      for i in range(cfg.light_zygotes)]
+        def slots_of(index: int, pool_size: int) -> list[int]:  # run slot s goes to zygote s % pool_size
+            return list(range(index, cfg.max_concurrency, pool_size))
+
+        self.full = [Zygote(f"full-{i}", self._sock_dir, cfg.preload_modules, writable,
+                            slots_of(i, cfg.zygotes)) for i in range(cfg.zygotes)]
+        self.light = [Zygote(f"light-{i}", self._sock_dir, cfg.light_preload_modules, writable,
+                             slots_of(i, cfg.light_zygotes)) for i in range(cfg.light_zygotes)]
         self.zygotes = self.full + self.light
         self._light_modules = frozenset(cfg.light_preload_modules)
         self._slots: asyncio.Queue[int] = asyncio.Queue()
@@ -183,7 +189,8 @@ class Executor:
                        cgroup_memory_bytes=limits[0], code=req.code, stdin=(req.stdin or "").encode(),
                        files=req.decoded_files(),
                        fetch_files=req.fetch_files, timeout_s=req.run_timeout or cfg.default_run_timeout_s,
-                       memory_mb=memory, uid=cfg.uid_base + slot, max_output_bytes=cfg.max_output_bytes,
+                       memory_mb=memory, uid=cfg.uid_base + slot, slot=slot,
+                       max_output_bytes=cfg.max_output_bytes,
                        max_processes=cfg.max_processes, workdir_size_mb=cfg.workdir_size_mb,
                        max_fetch_file_bytes=cfg.max_fetch_file_bytes)
 

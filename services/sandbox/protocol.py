@@ -26,6 +26,7 @@ class RunSpec:
     timeout_s: float
     memory_mb: int
     uid: int
+    slot: int
     max_output_bytes: int
     max_processes: int
     workdir_size_mb: int

@@ -18,7 +18,7 @@ import socket
 import sys
 
 from services.sandbox import linux
-from services.sandbox.runner import remount_readonly, serve_connection
+from services.sandbox.runner import create_slot_netns, remount_readonly, serve_connection
 from services.sandbox.runtime_view import expose_runtime, runtime_paths
 
 
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--preload", default="")
     parser.add_argument("--writable", default="", help="mount points runners must write (cgroups)")
+    parser.add_argument("--netns-slots", default="", help="slots to create a network namespace for")
     args = parser.parse_args(argv)
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the service died before we set the death signal
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     # every run's mount namespace is a copy of this read-only view
     remount_readonly(frozenset(m for m in args.writable.split(",") if m))
     preload([m for m in args.preload.split(",") if m])
+    create_slot_netns([int(s) for s in args.netns_slots.split(",") if s])
     serve(listener)
 
 

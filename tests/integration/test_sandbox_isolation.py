@@ -248,3 +248,23 @@ for pid in kids:
     assert allocated <= 2, (allocated, r)  # 1024 MB + tmpfs + slack admits at most two
     assert _wait_no_sandbox_processes() == []
     _assert_service_ok(sandbox_url)
+
+
+def test_nothing_network_side_survives_into_later_runs_of_a_slot(sandbox_url):
+    """Runs of a slot share its (empty) network namespace, one run at a time: a socket left
+    listening by a run's background process must be gone for every later run."""
+    code = """
+import os, socket, time
+if os.fork() == 0:
+    s = socket.socket(socket.AF_UNIX)
+    s.bind("\\0retool-leak-probe")
+    s.listen()
+    time.sleep(300)
+time.sleep(0.2)
+print("bound")
+"""
+    assert stdout_of(run_code(sandbox_url, code)) == "bound\n"
+    probe = ("import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect('\\0retool-leak-probe')\n"
+             "    print('LEAK')\nexcept OSError:\n    print('clean')\n")
+    outs = [stdout_of(run_code(sandbox_url, probe)) for _ in range(40)]  # cycles through every slot
+    assert outs == ["clean\n"] * 40
