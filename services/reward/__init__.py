@@ -1,0 +1,1 @@
+"""Reward service: final-answer extraction and math equivalence grading, hang-proof."""

@@ -1,0 +1,36 @@
+"""Reward service configuration (env prefix ``RETOOL_REWARD``)."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field
+
+from services.common.config import StrictModel
+
+
+class ShapingConfig(StrictModel):
+    """Optional reward shaping; off by default and reported apart from correctness."""
+
+    tool_bonus: bool = Field(
+        False, description="verl ReTool: wrong answers get min(-0.6, -1 + 0.1*tool_calls)"
+    )
+    format_penalty: float = Field(0.0, le=0.0, description="added when no final answer can be extracted")
+
+
+class RewardConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8090, ge=0, le=65535)
+    log_level: str = "INFO"
+    correct_score: float = 1.0
+    incorrect_score: float = -1.0
+    timeout_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="hard end-to-end limit for one grade, waiting for a symbolic worker included",
+    )
+    workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
+    max_batch: int = Field(4096, ge=1)
+    max_response_chars: int = Field(1_000_000, ge=1)
+    shaping: ShapingConfig = ShapingConfig()

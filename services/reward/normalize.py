@@ -1,0 +1,107 @@
+"""Canonical text of an answer before any comparison.
+
+Invariant: normalisation only removes presentation (spacing macros, ``\\left``/``\\right``,
+``\\dfrac``, text wrappers, units, degree marks, dollar signs, thousands separators, a
+leading ``x =``, trailing periods, letter case of text answers). It never changes a value:
+``1,5`` is not touched (it may be a list), only ``1,000``-style groups are joined.
+"""
+
+from __future__ import annotations
+
+import re
+
+_WRAPPERS = re.compile(
+    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|operatorname|mbox)\s*\{([^{}]*)\}"
+)
+_SPACING = re.compile(r"\\[,!;:> ]|\\q?quad|~")
+_DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree")
+_UNIT_WORDS = (
+    "square units",
+    "sq units",
+    "square feet",
+    "square inches",
+    "square meters",
+    "square centimeters",
+    "sq ft",
+    "cubic units",
+    "units",
+    "unit",
+    "degrees",
+    "degree",
+    "centimeters",
+    "centimeter",
+    "meters",
+    "meter",
+    "kilometers",
+    "km",
+    "cm",
+    "mm",
+    "inches",
+    "inch",
+    "feet",
+    "foot",
+    "ft",
+    "miles",
+    "mile",
+    "mph",
+    "hours",
+    "hour",
+    "minutes",
+    "minute",
+    "seconds",
+    "second",
+    "days",
+    "day",
+    "dollars",
+    "dollar",
+    "cents",
+    "cent",
+    "pounds",
+    "kg",
+    "grams",
+    "liters",
+    "ml",
+    "points",
+    "ways",
+    "students",
+    "people",
+)
+_UNITS = re.compile(
+    r"(?<=[\d}).])\s*(?:" + "|".join(re.escape(u) for u in _UNIT_WORDS) + r")\s*(?:\^\{?\d\}?)?$", re.I
+)
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_LEADING_VAR = re.compile(r"^\s*(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*(?=[^=])")
+
+
+def strip_math_delimiters(s: str) -> str:
+    s = s.strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
+            s = s[len(left) : len(s) - len(right)].strip()
+    return s
+
+
+def normalize(answer: str) -> str:
+    s = strip_math_delimiters(answer)
+    s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for _ in range(3):  # nested wrappers
+        s = _WRAPPERS.sub(r"\1", s)
+    s = _SPACING.sub("", s)
+    s = _DEGREES.sub("", s)
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
+    s = s.strip().rstrip(".").strip()
+    s = _UNITS.sub("", s).strip()
+    if s.count("=") == 1:
+        s = _LEADING_VAR.sub("", s)
+    s = re.sub(r"\s+", "", s).replace("{,}", ",")
+    if _THOUSANDS.match(s):
+        s = s.replace(",", "")
+    if s.startswith("+") and len(s) > 1:
+        s = s[1:]
+    choice = re.fullmatch(r"\(([A-Ea-e])\)", s)  # multiple choice: (B) == B
+    if choice:
+        s = choice.group(1)
+    if re.fullmatch(r"[A-Za-z ]+", s):
+        s = s.lower()
+    return s

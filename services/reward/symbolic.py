@@ -1,0 +1,160 @@
+"""Symbolic equivalence of two normalised LaTeX answers (runs inside killable workers).
+
+Rules, strict on purpose (a close-looking wrong answer must be wrong):
+- numbers compare exactly: decimals become exact rationals (``0.5 == 1/2``,
+  ``0.333 != 1/3``, ``3.14 != \\pi``); no relative tolerance, no ×100 percent tricks;
+- expressions are equal when their difference simplifies to 0 (``\\sqrt{12} == 2\\sqrt{3}``);
+- sets and bare comma lists compare as multisets, tuples and matrices element-wise,
+  intervals by endpoints and openness, equations up to moving terms or a sign;
+- ``i`` is the imaginary unit.
+This module may hang on adversarial input; callers run it under a hard time limit.
+"""
+
+from __future__ import annotations
+
+import sympy
+from latex2sympy2_extended import latex2sympy
+
+_I = sympy.Symbol("i")
+
+
+def _split_top_level(s: str, sep: str = ",") -> list[str]:
+    parts, depth, cur = [], 0, []
+    for ch in s:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return [p for p in (x.strip() for x in parts) if p]
+
+
+def parse(s: str) -> sympy.Basic:
+    expr = latex2sympy(s)
+    if isinstance(expr, sympy.Basic) and _I in expr.free_symbols:
+        expr = expr.subs(_I, sympy.I)
+    return expr
+
+
+def _exact(e: sympy.Basic) -> sympy.Basic:
+    if isinstance(e, sympy.Basic) and e.atoms(sympy.Float):
+        return e.xreplace({f: sympy.Rational(str(f)) for f in e.atoms(sympy.Float)})
+    return e
+
+
+_PROBES = (sympy.Rational(7, 10), sympy.Rational(13, 10), sympy.Rational(29, 10))
+
+
+def _certainly_different(diff: sympy.Basic) -> bool:
+    """True when ``diff`` is visibly non-zero at a probe point (30-digit evaluation).
+
+    Only ever used to reject early: equality still needs an exact proof below.
+    """
+    symbols = sorted(diff.free_symbols, key=str)
+    points = [dict.fromkeys(symbols, p) for p in _PROBES] if symbols else [{}]
+    for point in points:
+        try:
+            value = complex(diff.subs(point).evalf(30))
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError):
+            continue
+        if value == value and abs(value) > 1e-12:  # value == value: not NaN
+            return True
+    return False
+
+
+def _expr_equal(a: sympy.Basic, b: sympy.Basic) -> bool:
+    a, b = _exact(a), _exact(b)
+    if a == b:
+        return True
+    try:
+        diff = a - b
+        if _certainly_different(diff):
+            return False
+        if sympy.expand(diff) == 0:
+            return True
+        return sympy.simplify(diff) == 0
+    except (TypeError, ValueError, AttributeError, NotImplementedError):
+        return False
+
+
+def equal(a: object, b: object) -> bool:  # noqa: PLR0911 - one branch per kind of answer
+    if isinstance(a, list | tuple) or isinstance(b, list | tuple):
+        if not (isinstance(a, list | tuple) and isinstance(b, list | tuple)) or len(a) != len(b):
+            return False
+        return all(equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
+        return (
+            isinstance(a, sympy.MatrixBase)
+            and isinstance(b, sympy.MatrixBase)
+            and a.shape == b.shape
+            and all(equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, sympy.FiniteSet) or isinstance(b, sympy.FiniteSet):
+        if not (isinstance(a, sympy.FiniteSet) and isinstance(b, sympy.FiniteSet)):
+            return False
+        return _multiset_equal(list(a.args), list(b.args))
+    if isinstance(a, sympy.Tuple) or isinstance(b, sympy.Tuple):
+        return isinstance(a, sympy.Tuple) and isinstance(b, sympy.Tuple) and equal(list(a), list(b))
+    if isinstance(a, sympy.Interval) or isinstance(b, sympy.Interval):
+        return (
+            isinstance(a, sympy.Interval)
+            and isinstance(b, sympy.Interval)
+            and a.left_open == b.left_open
+            and a.right_open == b.right_open
+            and _expr_equal(a.start, b.start)
+            and _expr_equal(a.end, b.end)
+        )
+    if isinstance(a, sympy.Union) or isinstance(b, sympy.Union):
+        return (
+            isinstance(a, sympy.Union)
+            and isinstance(b, sympy.Union)
+            and _multiset_equal(list(a.args), list(b.args))
+        )
+    if isinstance(a, sympy.Equality) or isinstance(b, sympy.Equality):
+        if not (isinstance(a, sympy.Equality) and isinstance(b, sympy.Equality)):
+            return False
+        da, db = a.lhs - a.rhs, b.lhs - b.rhs
+        return _expr_equal(da, db) or _expr_equal(da, -db)
+    if isinstance(a, sympy.Basic) and isinstance(b, sympy.Basic):
+        if isinstance(a, sympy.Set) or isinstance(b, sympy.Set):
+            return a == b
+        return _expr_equal(a, b)
+    return False
+
+
+def _multiset_equal(xs: list[object], ys: list[object]) -> bool:
+    if len(xs) != len(ys):
+        return False
+    remaining = list(ys)
+    for x in xs:
+        for k, y in enumerate(remaining):
+            if equal(x, y):
+                del remaining[k]
+                break
+        else:
+            return False
+    return True
+
+
+def _as_value(s: str) -> object:
+    """A bare top-level comma list (``1, 2``) is an unordered list of answers."""
+    parts = _split_top_level(s)
+    if len(parts) > 1 and not (s[:1] in "([{" or s.startswith("\\{")):
+        return sympy.FiniteSet(*[parse(p) for p in parts], evaluate=False)
+    return parse(s)
+
+
+def symbolic_equal(pred: str, truth: str) -> bool:
+    try:
+        a, b = _as_value(pred), _as_value(truth)
+    except Exception:  # noqa: BLE001 - unparsable answer: not equivalent
+        return False
+    try:
+        return bool(equal(a, b))
+    except Exception:  # noqa: BLE001 - sympy raising on exotic input: not equivalent
+        return False

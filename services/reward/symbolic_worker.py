@@ -1,0 +1,36 @@
+"""Worker process: reads ``[pred, truth]`` JSON lines, answers ``true``/``false`` lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from services.reward.symbolic import symbolic_equal
+
+WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready
+    ("\\frac{1}{2}", "0.5"),
+    ("\\sqrt{12}", "2\\sqrt{3}"),
+    ("x^2+2x+1", "(x+1)^2"),
+    ("\\{1,2\\}", "\\{2,1\\}"),
+    ("[0,1)", "[0,1)"),
+    ("y=2x+1", "y=1+2x"),
+    ("1+2i", "2i+1"),
+    ("\\frac{3\\pi}{2}", "\\frac{3}{2}\\pi"),
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"),
+]
+
+
+def main() -> None:
+    for pred, truth in WARM_UP:
+        symbolic_equal(pred, truth)
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        pred, truth = json.loads(line)
+        out.write("true\n" if symbolic_equal(pred, truth) else "false\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The reward service as a real subprocess on loopback: contract, batching, limits, errors."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from services.common.process import ServiceProcess
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def reward_url(tmp_path_factory):
+    log = tmp_path_factory.mktemp("reward") / "reward.log"
+    with ServiceProcess(
+        ["reward", "serve", "--set", "workers=2", "--set", "timeout_s=1.5"], log_path=str(log)
+    ) as proc:
+        yield proc.url
+
+
+def test_score_contract(reward_url):
+    r = httpx.post(
+        f"{reward_url}/score", json={"response": "so \\boxed{\\dfrac{1}{2}}", "ground_truth": "0.5"}
+    )
+    assert r.status_code == 200
+    body = r.json()
+    assert {"score", "correct", "extracted", "reason"} <= set(body)
+    assert body["correct"] is True and body["score"] == 1.0 and body["extracted"] == "\\dfrac{1}{2}"
+    wrong = httpx.post(
+        f"{reward_url}/score",
+        json={
+            "response": "Answer: 100",
+            "ground_truth": "1",
+            "data_source": "math_dapo",
+            "num_tool_calls": 3,
+        },
+    ).json()
+    assert wrong == {
+        "score": -1.0,
+        "correct": False,
+        "extracted": "100",
+        "reason": "mismatch",
+        "shaping": 0.0,
+    }
+    none = httpx.post(f"{reward_url}/score", json={"response": "no idea", "ground_truth": "1"}).json()
+    assert none["extracted"] is None and none["reason"] == "no_answer" and none["score"] == -1.0
+
+
+def test_batch_of_512_in_order(reward_url):
+    items = [{"response": f"Answer: {i}", "ground_truth": str(i if i % 3 else i + 1)} for i in range(512)]
+    items[7] = {"response": "\\boxed{2\\sqrt{3}}", "ground_truth": "\\sqrt{12}"}
+    r = httpx.post(f"{reward_url}/score/batch", json={"items": items}, timeout=60)
+    results = r.json()["results"]
+    assert len(results) == 512
+    for i, res in enumerate(results):
+        expected = True if i == 7 else bool(i % 3)
+        assert res["correct"] is expected, (i, res)
+
+
+def test_pathological_answer_times_out_and_service_stays_healthy(reward_url):
+    start = time.monotonic()
+    r = httpx.post(
+        f"{reward_url}/score",
+        json={"response": "\\boxed{10^{10^{10^{10}}}}", "ground_truth": "3x"},
+        timeout=30,
+    ).json()
+    assert r["reason"] == "timeout" and r["correct"] is False
+    assert time.monotonic() - start < 3.0
+    assert httpx.get(f"{reward_url}/healthz").json()["status"] == "ok"
+    again = httpx.post(
+        f"{reward_url}/score", json={"response": "\\boxed{x^2+2x+1}", "ground_truth": "(x+1)^2"}, timeout=30
+    ).json()
+    assert again["correct"] is True
+    metrics = httpx.get(f"{reward_url}/metrics").text
+    assert "reward_timeouts_total 1.0" in metrics
+    assert 'reward_grades_total{reason="timeout"}' in metrics and "reward_grade_seconds_bucket" in metrics
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"ground_truth": "1"}, "response"),
+        ({"response": "x"}, "ground_truth"),
+        ({"response": "x", "ground_truth": ""}, "ground_truth"),
+        ({"response": "x", "ground_truth": "1", "num_tool_calls": -1}, "num_tool_calls"),
+        ({"response": 5, "ground_truth": "1"}, "response"),
+    ],
+)
+def test_bad_input_is_422_naming_the_field(reward_url, body, field):
+    r = httpx.post(f"{reward_url}/score", json=body)
+    assert r.status_code == 422
+    assert any(field in d["loc"] for d in r.json()["detail"])
+
+
+def test_bad_batch_item_names_its_index(reward_url):
+    r = httpx.post(
+        f"{reward_url}/score/batch",
+        json={"items": [{"response": "a", "ground_truth": "1"}, {"response": "b"}]},
+    )
+    assert r.status_code == 422
+    assert ["body", "items", 1, "ground_truth"] in [d["loc"] for d in r.json()["detail"]]
+
+
+def test_cli_grade_prints_json():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "reward",
+            "grade",
+            "--response",
+            "Answer: $-3$",
+            "--ground-truth",
+            "-3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["correct"] is True
