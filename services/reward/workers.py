@@ -107,6 +107,8 @@ class SymbolicPool:
         except (TimeoutError, EOFError, OSError, ValueError):
             self.timeouts += 1
             self._all.discard(worker)
+            with contextlib.suppress(ProcessLookupError):
+                worker.proc.kill()  # now, not in the background task: it may be cancelled
             task = asyncio.create_task(self._replace(worker))
             self._respawns.add(task)
             task.add_done_callback(self._respawns.discard)

@@ -92,3 +92,19 @@ async def test_pathological_inputs_time_out_fast_and_the_pool_recovers():
         assert ok.correct and ok.reason == "equivalent"
     finally:
         await grader.stop()
+
+
+async def test_stopping_the_grader_leaves_no_worker_behind():
+    grader = Grader(workers=1, timeout_s=0.5)
+    await grader.start()
+    pids = {w.proc.pid for w in grader.pool._all}
+    await grader.grade("\\boxed{10^{10^{10^{10}}}}", "3")  # times out; replacement starts in background
+    await grader.stop()  # while the replacement may still be starting
+    await asyncio.sleep(0.5)
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state = fh.read().rsplit(") ", 1)[1][:1]
+        except FileNotFoundError:
+            continue  # gone: good
+        assert state == "Z", f"worker {pid} still running (state {state})"
