@@ -19,7 +19,8 @@ demo: $(STAMP)
 	$(BIN)/retool demo
 
 test: $(STAMP)
-	$(BIN)/ruff check services tests bench
+	bash scripts/install-test-tools.sh
+	$(BIN)/ruff check services tests bench deploy
 	$(BIN)/python -m pytest -q -ra
 
 bench: $(STAMP)

@@ -6,13 +6,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import get_args
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.reward.config import RewardConfig
-from services.reward.grader import Grader
+from services.reward.grader import Grader, Reason
 from services.reward.schemas import BatchRequest, BatchResponse, ScoreRequest, ScoreResult
 from services.reward.scoring import score
 
@@ -23,6 +24,8 @@ class RewardMetrics:
         self.grades = self.registry.counter("grades_total", "Grades by outcome reason", ("reason",))
         self.latency = self.registry.histogram("grade_seconds", "Latency of one grade")
         self.timeouts = self.registry.counter("timeouts_total", "Symbolic checks killed at the limit")
+        for reason in get_args(Reason):  # export every outcome from the start (0, not absent)
+            self.grades.labels(reason)
         self.batch_size = self.registry.histogram(
             "batch_size", "Items per batch request", buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 4096)
         )

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import Executor, QueueFull, QueueTimeout
-from services.sandbox.schemas import RunCodeRequest, RunCodeResponse
+from services.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus
 
 
 class SandboxMetrics:
@@ -25,6 +25,10 @@ class SandboxMetrics:
         self.queue_depth = self.registry.gauge("queue_depth", "Requests waiting for a slot")
         self.rejections = self.registry.counter("rejections_total", "Requests refused", ("reason",))
         self.truncations = self.registry.counter("output_truncations_total", "Runs with capped output")
+        for status in RunStatus:  # export every known label value from the start (0, not absent)
+            self.requests.labels(status.value)
+        for reason in ("queue_full", "queue_timeout"):
+            self.rejections.labels(reason)
 
 
 def create_app(cfg: SandboxConfig) -> FastAPI:
