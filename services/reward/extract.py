@@ -4,7 +4,8 @@ Recognised forms, the last one in the response wins: ``<answer>…</answer>`` (w
 ``\\boxed{}`` taken out), ``\\boxed{…}`` / ``\\fbox{…}`` with nested braces, a line
 ``Answer: …`` (DAPO's format; any case, optional ``**``, optional ``$…$``) and "the final
 answer is …". Text inside ``<code>``, ``<interpreter>``, ``<tool_call>`` and
-``<tool_response>`` blocks is ignored: it is the tool's, not the model's, answer.
+``<tool_response>`` blocks is ignored: it is the tool's, not the model's, answer. Chat
+template markers (``<|im_end|>``) end a line, they are never part of an answer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _ANSWER_LINE = re.compile(r"\banswer[ \t*_]*[:：][ \t*_]*(.+?)[ \t]*$", re.I | re.M)
 _FINAL_IS = re.compile(r"final answer is[:\s]*(.+?)(?:\.?\s*I hope it is correct\.?)?\s*$", re.I | re.M)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*")
+_CHAT_MARKERS = re.compile(r"<\|[a-z_]+\|>")  # <|im_end|>, <|endoftext|>: chat-template tokens
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -57,7 +59,7 @@ def _strip_math(s: str) -> str:
 
 
 def extract_answer(response: str) -> str | None:
-    text = _TOOL_BLOCKS.sub(" ", response)
+    text = _TOOL_BLOCKS.sub(" ", _CHAT_MARKERS.sub("\n", response))
     candidates: list[tuple[int, str]] = []
     for m in _ANSWER_TAG.finditer(text):
         inner = m.group(1)

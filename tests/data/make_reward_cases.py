@@ -237,6 +237,8 @@ CASES: dict[str, list[tuple[str, str, bool]]] = {
         ("Answer: 6\nAnswer: 4", "6", False),
         ("<answer>\\boxed{7}</answer> and finally \\boxed{8}", "7", False),
         ("<code>print(2+2)</code><interpreter>\\boxed{4}</interpreter>\nI am not sure.", "4", False),
+        ("So\nAnswer: 34<|im_end|>", "34", True),
+        ("\\boxed{12}<|endoftext|>", "12", True),
     ],
     "no_answer": [
         ("I don't know how to solve this problem.", "34", False),
