@@ -17,14 +17,19 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 
 def _register() -> None:
-    from services import demo
+    from services import demo, model_cli
     from services.data import cli as data_cli
     from services.reward import cli as reward_cli
+    from services.rollout import cli as rollout_cli
     from services.sandbox import cli as sandbox_cli
+    from services.trainer import cli as trainer_cli
 
     app.add_typer(sandbox_cli.app, name="sandbox", help="Sandboxed Python execution service.")
     app.add_typer(reward_cli.app, name="reward", help="Math answer grading service.")
+    app.add_typer(rollout_cli.app, name="rollout", help="Tool-using rollout service and weight push.")
+    app.add_typer(trainer_cli.app, name="trainer", help="RL training (GRPO/DAPO, PPO) under FSDP.")
     app.add_typer(data_cli.app, name="data", help="Prepare DAPO-Math-17k, ReTool-SFT and AIME files.")
+    app.add_typer(model_cli.app, name="model", help="Build tiny models and tokenizers locally.")
     app.command("demo", help="Run the main job on an embedded default (no external services).")(demo.run)
 
 

@@ -31,8 +31,14 @@ class RewardMetrics:
         )
 
 
+def _error_422(loc: list[str | int], msg: str) -> JSONResponse:
+    """The same shape as FastAPI's own validation errors: the field is in ``detail[].loc``."""
+    detail = [{"type": "value_error", "loc": loc, "msg": msg}]
+    return JSONResponse(status_code=422, content={"detail": detail})
+
+
 def create_app(cfg: RewardConfig) -> FastAPI:
-    grader = Grader(cfg.workers, cfg.timeout_s)
+    grader = Grader(cfg.workers, cfg.timeout_s, cfg.max_answer_chars)
     metrics = RewardMetrics()
 
     @asynccontextmanager
@@ -71,44 +77,25 @@ def create_app(cfg: RewardConfig) -> FastAPI:
             shaping=shaping,
         )
 
-    def too_long(items: list[ScoreRequest]) -> JSONResponse | None:
+    def too_long(items: list[ScoreRequest], batched: bool) -> JSONResponse | None:
+        """422 naming the first field over its size limit (checked before any grading)."""
+        limits = (("response", cfg.max_response_chars), ("ground_truth", cfg.max_ground_truth_chars))
         for i, item in enumerate(items):
-            if len(item.response) > cfg.max_response_chars:
-                loc = ["body", "items", i, "response"] if len(items) > 1 else ["body", "response"]
-                return JSONResponse(
-                    status_code=422,
-                    content={
-                        "detail": [
-                            {
-                                "type": "value_error",
-                                "loc": loc,
-                                "msg": f"response longer than max_response_chars={cfg.max_response_chars}",
-                            }
-                        ]
-                    },
-                )
+            for field, limit in limits:
+                if len(getattr(item, field)) > limit:
+                    loc = ["body", "items", i, field] if batched else ["body", field]
+                    return _error_422(loc, f"{field} longer than max_{field}_chars={limit}")
         return None
 
     @app.post("/score", response_model=ScoreResult)
     async def score_one(req: ScoreRequest) -> ScoreResult | JSONResponse:
-        return too_long([req]) or await one(req)
+        return too_long([req], batched=False) or await one(req)
 
     @app.post("/score/batch", response_model=BatchResponse)
     async def score_batch(req: BatchRequest) -> BatchResponse | JSONResponse:
         if len(req.items) > cfg.max_batch:
-            return JSONResponse(
-                status_code=422,
-                content={
-                    "detail": [
-                        {
-                            "type": "value_error",
-                            "loc": ["body", "items"],
-                            "msg": f"{len(req.items)} items exceed max_batch={cfg.max_batch}",
-                        }
-                    ]
-                },
-            )
-        if (err := too_long(req.items)) is not None:
+            return _error_422(["body", "items"], f"{len(req.items)} items exceed max_batch={cfg.max_batch}")
+        if (err := too_long(req.items, batched=True)) is not None:
             return err
         metrics.batch_size.observe(len(req.items))
         return BatchResponse(results=list(await asyncio.gather(*(one(item) for item in req.items))))

@@ -32,5 +32,11 @@ class RewardConfig(StrictModel):
     )
     workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
     max_batch: int = Field(4096, ge=1)
-    max_response_chars: int = Field(1_000_000, ge=1)
+    max_response_chars: int = Field(1_000_000, ge=1, description="longer responses: 422 naming the field")
+    max_ground_truth_chars: int = Field(
+        10_000, ge=1, description="longer ground truths: 422 naming the field"
+    )
+    max_answer_chars: int = Field(
+        1000, ge=1, description="longer extracted answers (unless the truth is long too): reason too_long"
+    )
     shaping: ShapingConfig = ShapingConfig()

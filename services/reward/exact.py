@@ -4,11 +4,18 @@ Integers, decimals, ``a/b``, ``\\frac{a}{b}`` (also ``\\frac12``), a sign, and s
 notation (``1.5e3``, ``1.5\\times10^{3}``) become a ``Fraction``; anything else returns
 None and is left to the symbolic path. Most DAPO-Math-17k and all AIME ground truths are
 integers, so most grades never leave this module. Exponents are bounded: no big powers.
+
+``compare_structures`` decides lists, sets, tuples and intervals whose elements are all
+such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}`` and bare comma lists are
+unordered, ``(…)``/``[…]`` are ordered with their brackets, a structure is never a single
+number. Whatever it is unsure of (duplicates, mixed brackets, non-numeric elements) is None:
+left to the symbolic path, never guessed.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
 _NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)"
@@ -44,3 +51,71 @@ def to_fraction(s: str) -> Fraction | None:
     except (ValueError, ZeroDivisionError):
         return None
     return None
+
+
+@dataclass(frozen=True)
+class Structure:
+    kind: str  # "set" (unordered: \\{…\\} or a bare list) or "seq" (tuple / interval)
+    brackets: str  # "" for sets, else the opening and closing bracket, e.g. "[)"
+    items: tuple[Fraction | str, ...]  # str: "+inf" / "-inf" (interval ends)
+
+
+def _split_top_level(s: str) -> list[str] | None:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif ch == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts if depth == 0 else None
+
+
+_INFINITY = {"\\infty": "+inf", "+\\infty": "+inf", "-\\infty": "-inf"}
+
+
+def _numbers(parts: list[str]) -> tuple[Fraction | str, ...] | None:
+    values = tuple(_INFINITY.get(p) or to_fraction(p) for p in parts)
+    return None if any(v is None for v in values) else values  # type: ignore[return-value]
+
+
+def to_structure(s: str) -> Structure | Fraction | None:
+    """A list/set/tuple/interval of exact numbers, a parenthesised number, or None."""
+    if s.startswith("\\{") and s.endswith("\\}"):
+        kind, brackets, inner = "set", "", s[2:-2]
+    elif len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        kind, brackets, inner = "seq", s[0] + s[-1], s[1:-1]
+    else:
+        kind, brackets, inner = "set", "", s
+    parts = _split_top_level(inner)
+    if not parts:
+        return None
+    values = _numbers(parts)
+    if values is None:
+        return None
+    if len(values) == 1:
+        return values[0] if isinstance(values[0], Fraction) else None  # "(3)" is 3
+    return Structure(kind, brackets, values)
+
+
+def compare_structures(a: Structure | Fraction | None, b: Structure | Fraction | None) -> bool | None:
+    """Equal / different when certain, None when the symbolic path must decide."""
+    if a is None or b is None:
+        return None
+    if isinstance(a, Fraction) and isinstance(b, Fraction):
+        return a == b
+    if isinstance(a, Fraction) or isinstance(b, Fraction):
+        return False  # a number is never a list, set, tuple or interval
+    assert isinstance(a, Structure) and isinstance(b, Structure)
+    if a.kind != b.kind or a.brackets != b.brackets:
+        return None
+    if a.kind == "seq":
+        return a.items == b.items
+    if len(set(a.items)) != len(a.items) or len(set(b.items)) != len(b.items):
+        return None  # duplicates: leave multiset-vs-set questions to the symbolic path
+    return set(a.items) == set(b.items)

@@ -2,7 +2,11 @@
 
 Invariant: every grade ends in one of the ``Reason`` values; only ``exact``,
 ``equivalent`` are correct. The fast path (string identity, exact rationals, text) runs
-inline; only what it cannot decide goes to the killable symbolic pool.
+inline and is linear in the response length; only what it cannot decide goes to the
+killable symbolic pool. An extracted answer longer than ``max_answer_chars`` (or twice the
+ground truth, whichever is more) is incorrect with reason ``too_long`` before any parsing:
+no real answer is that long, and a huge expression would only tie up a worker until it is
+killed (reason ``timeout``).
 """
 
 from __future__ import annotations
@@ -11,14 +15,15 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from services.reward.exact import to_fraction
+from services.reward.exact import compare_structures, to_fraction, to_structure
 from services.reward.extract import extract_answer
-from services.reward.normalize import normalize
+from services.reward.normalize import split_normalize
 from services.reward.workers import SymbolicPool
 
 Reason = Literal[
-    "exact", "equivalent", "mismatch", "no_answer", "timeout", "invalid_ground_truth"
+    "exact", "equivalent", "mismatch", "no_answer", "timeout", "too_long", "invalid_ground_truth"
 ]
+MAX_ANSWER_CHARS = 1000
 _TEXTY = re.compile(r"^[a-z][a-z ]*$")
 
 
@@ -38,27 +43,37 @@ class Pending:
     truth: str
 
 
-def fast_grade(response: str, ground_truth: str) -> Verdict | Pending:
+def fast_grade(
+    response: str, ground_truth: str, max_answer_chars: int = MAX_ANSWER_CHARS
+) -> Verdict | Pending:
     extracted = extract_answer(response)
     if extracted is None:
         return Verdict(False, None, "no_answer")
-    truth = normalize(ground_truth)
+    if len(extracted) > max(max_answer_chars, 2 * len(ground_truth)):
+        return Verdict(False, extracted, "too_long")
+    truth_var, truth = split_normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
-    pred = normalize(extracted)
+    pred_var, pred = split_normalize(extracted)
+    if pred_var is not None and truth_var is not None and pred_var != truth_var:
+        return Verdict(False, extracted, "mismatch")  # "y = 3" does not answer "x = 3"
     if pred == truth:
         return Verdict(True, extracted, "exact")
     tf, pf = to_fraction(truth), to_fraction(pred)
     if tf is not None and pf is not None:
         return Verdict(tf == pf, extracted, "exact" if tf == pf else "mismatch")
+    same = compare_structures(to_structure(pred), to_structure(truth))
+    if same is not None:
+        return Verdict(same, extracted, "equivalent" if same else "mismatch")
     if _TEXTY.match(truth) or _TEXTY.match(pred) or not pred:
         return Verdict(False, extracted, "mismatch")
     return Pending(extracted, pred, truth)
 
 
 class Grader:
-    def __init__(self, workers: int, timeout_s: float) -> None:
+    def __init__(self, workers: int, timeout_s: float, max_answer_chars: int = MAX_ANSWER_CHARS) -> None:
         self.pool = SymbolicPool(workers, timeout_s)
+        self.max_answer_chars = max_answer_chars
 
     async def start(self) -> None:
         await self.pool.start()
@@ -67,7 +82,7 @@ class Grader:
         await self.pool.stop()
 
     async def grade(self, response: str, ground_truth: str) -> Verdict:
-        first = fast_grade(response, ground_truth)
+        first = fast_grade(response, ground_truth, self.max_answer_chars)
         if isinstance(first, Verdict):
             return first
         same = await self.pool.check(first.pred, first.truth)

@@ -2,7 +2,8 @@
 
 Invariant: normalisation only removes presentation (spacing macros, ``\\left``/``\\right``,
 ``\\dfrac``, text wrappers, units, degree marks, dollar signs, thousands separators, a
-leading ``x =``, trailing periods, letter case of text answers). It never changes a value:
+leading ``x =`` / ``x \\in``, trailing periods, letter case of text answers) and puts braces
+on TeX shorthand (``\\sqrt3``, ``\\frac12``). It never changes a value:
 ``1,5`` is not touched (it may be a list), only ``1,000``-style groups are joined.
 """
 
@@ -70,7 +71,20 @@ _UNITS = re.compile(
     r"(?<=[\d}).])\s*(?:" + "|".join(re.escape(u) for u in _UNIT_WORDS) + r")\s*(?:\^\{?\d\}?)?$", re.I
 )
 _THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_LEADING_VAR = re.compile(r"^\s*(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?\s*=\s*(?=[^=])")
+_LEADING_VAR = re.compile(
+    r"^\s*((?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?)\s*(?:=|\\in(?![a-zA-Z]))\s*(?=[^=])"
+)
+# Whitespace goes, except after a macro name followed by a letter: "\pi r" must not become "\pir".
+_WHITESPACE = re.compile(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])|\s+")
+# TeX shorthand takes one token per argument: "\sqrt3", "\frac12", "\frac{1}2", "\log_28" get braces.
+_SQRT_TOKEN = re.compile(r"\\sqrt ?([0-9a-zA-Z])")
+_LOG_BASE_TOKEN = re.compile(r"\\log_([0-9a-zA-Z])")
+_FRAC_TOKENS = re.compile(r"\\frac ?(\{[^{}]*\}|[0-9a-zA-Z]) ?(\{[^{}]*\}|[0-9a-zA-Z])")
+_EMPTY_SET = re.compile(r"\\varnothing|\\\{\\\}|\\O(?![a-zA-Z])")
+
+
+def _brace(arg: str) -> str:
+    return arg if arg.startswith("{") else "{" + arg + "}"
 
 
 def strip_math_delimiters(s: str) -> str:
@@ -81,7 +95,8 @@ def strip_math_delimiters(s: str) -> str:
     return s
 
 
-def normalize(answer: str) -> str:
+def split_normalize(answer: str) -> tuple[str | None, str]:
+    """(leading variable or None, canonical value): ``"y = 2x+1"`` → ``("y", "2x+1")``."""
     s = strip_math_delimiters(answer)
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
@@ -92,9 +107,16 @@ def normalize(answer: str) -> str:
     s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
     s = s.strip().rstrip(".").strip()
     s = _UNITS.sub("", s).strip()
-    if s.count("=") == 1:
-        s = _LEADING_VAR.sub("", s)
-    s = re.sub(r"\s+", "", s).replace("{,}", ",")
+    var = None
+    if s.count("=") == 1 or ("=" not in s and "\\in" in s):
+        m = _LEADING_VAR.match(s)
+        if m:
+            var, s = _WHITESPACE.sub(_space, m.group(1)), s[m.end() :]
+    s = _WHITESPACE.sub(_space, s).replace("{,}", ",")
+    s = _SQRT_TOKEN.sub(r"\\sqrt{\1}", s)
+    s = _LOG_BASE_TOKEN.sub(r"\\log_{\1}", s)
+    s = _FRAC_TOKENS.sub(lambda m: "\\frac" + _brace(m.group(1)) + _brace(m.group(2)), s)
+    s = _EMPTY_SET.sub(r"\\emptyset", s)
     if _THOUSANDS.match(s):
         s = s.replace(",", "")
     if s.startswith("+") and len(s) > 1:
@@ -104,4 +126,12 @@ def normalize(answer: str) -> str:
         s = choice.group(1)
     if re.fullmatch(r"[A-Za-z ]+", s):
         s = s.lower()
-    return s
+    return var, s
+
+
+def _space(m: re.Match[str]) -> str:
+    return m.group(1) + " " if m.group(1) else ""
+
+
+def normalize(answer: str) -> str:
+    return split_normalize(answer)[1]

@@ -7,10 +7,13 @@ Rules, strict on purpose (a close-looking wrong answer must be wrong):
 - sets and bare comma lists compare as multisets, tuples and matrices element-wise,
   intervals by endpoints and openness, equations up to moving terms or a sign;
 - ``i`` is the imaginary unit.
-This module may hang on adversarial input; callers run it under a hard time limit.
+Parses and verdicts are memoised per worker (bounded LRU); both are pure functions of the
+strings. This module may hang on adversarial input; callers run it under a hard time limit.
 """
 
 from __future__ import annotations
+
+import functools
 
 import sympy
 from latex2sympy2_extended import latex2sympy
@@ -35,7 +38,24 @@ def _split_top_level(s: str, sep: str = ",") -> list[str]:
 
 
 def parse(s: str) -> sympy.Basic:
-    expr = latex2sympy(s)
+    """LaTeX → sympy. Cached per worker: ground truths repeat for every sample of a prompt."""
+    got = _parse_cached(s)
+    if got is None:
+        raise ValueError(f"unparsable answer: {s[:80]!r}")
+    return got
+
+
+def clear_cache() -> None:
+    _parse_cached.cache_clear()
+    symbolic_equal.cache_clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_cached(s: str) -> sympy.Basic | None:
+    try:
+        expr = latex2sympy(s)
+    except Exception:  # noqa: BLE001 - cached as None: an unparsable answer stays unparsable
+        return None
     if isinstance(expr, sympy.Basic) and _I in expr.free_symbols:
         expr = expr.subs(_I, sympy.I)
     return expr
@@ -77,7 +97,11 @@ def _expr_equal(a: sympy.Basic, b: sympy.Basic) -> bool:
             return False
         if sympy.expand(diff) == 0:
             return True
-        return sympy.simplify(diff) == 0
+        if sympy.simplify(diff) == 0:
+            return True
+        # Constants only: split logs of numbers (log_2 8 = log 8 / log 2 = 3). force=True is
+        # exact for positive numeric arguments; never used on symbols, where it could be wrong.
+        return not diff.free_symbols and sympy.simplify(sympy.expand_log(diff, force=True)) == 0
     except (TypeError, ValueError, AttributeError, NotImplementedError):
         return False
 
@@ -149,7 +173,9 @@ def _as_value(s: str) -> object:
     return parse(s)
 
 
+@functools.lru_cache(maxsize=4096)
 def symbolic_equal(pred: str, truth: str) -> bool:
+    """Cached per worker: a prompt's samples often repeat the same answer (pure function)."""
     try:
         a, b = _as_value(pred), _as_value(truth)
     except Exception:  # noqa: BLE001 - unparsable answer: not equivalent

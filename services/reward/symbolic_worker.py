@@ -1,11 +1,15 @@
-"""Worker process: reads ``[pred, truth]`` JSON lines, answers ``true``/``false`` lines."""
+"""Worker process: reads ``[pred, truth]`` JSON lines, answers ``true``/``false`` lines.
+
+The line ``"clear"`` empties the parse cache (answer ``true``); benchmarks use it so that a
+timed batch cannot reuse parses from an earlier run.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from services.reward.symbolic import symbolic_equal
+from services.reward.symbolic import clear_cache, symbolic_equal
 
 WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready
     ("\\frac{1}{2}", "0.5"),
@@ -36,8 +40,13 @@ def main() -> None:
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
-        pred, truth = json.loads(line)
-        out.write("true\n" if symbolic_equal(pred, truth) else "false\n")
+        request = json.loads(line)
+        if request == "clear":
+            clear_cache()
+            out.write("true\n")
+        else:
+            pred, truth = request
+            out.write("true\n" if symbolic_equal(pred, truth) else "false\n")
         out.flush()
 
 

@@ -47,8 +47,11 @@ class _Worker:
         return self.proc.returncode is None
 
     async def ask(self, pred: str, truth: str) -> bool:
+        return await self.send([pred, truth])
+
+    async def send(self, request: object) -> bool:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps([pred, truth]).encode() + b"\n")
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
         if not line:
@@ -69,6 +72,8 @@ class SymbolicPool:
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._respawns: set[asyncio.Task[None]] = set()
+        self._inflight: dict[tuple[str, str], asyncio.Task[bool | None]] = {}
+        self._stopped = False
         self.timeouts = 0
 
     async def start(self) -> None:
@@ -77,7 +82,8 @@ class SymbolicPool:
             self._idle.put_nowait(worker)
 
     async def stop(self) -> None:
-        for task in self._respawns:
+        self._stopped = True
+        for task in [*self._inflight.values(), *self._respawns]:
             task.cancel()
         await asyncio.gather(*(w.kill() for w in self._all))
         self._all.clear()
@@ -93,8 +99,20 @@ class SymbolicPool:
     async def check(self, pred: str, truth: str) -> bool | None:
         """True/False, or None when ``timeout_s`` passed — waiting for a free worker included.
 
-        A worker that was busy at the deadline is killed and replaced.
+        A worker that was busy at the deadline is killed and replaced. Identical checks in
+        flight at the same time share one worker request (a prompt's samples often give the
+        same answer). The request runs in its own task, so a cancelled caller can never leave
+        a worker half-way through an answer.
         """
+        key = (pred, truth)
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.create_task(self._check(pred, truth))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
+        return await asyncio.shield(task)  # the task keeps its own deadline (started first)
+
+    async def _check(self, pred: str, truth: str) -> bool | None:
         deadline = asyncio.get_running_loop().time() + self.timeout_s
         try:
             worker = await asyncio.wait_for(self._idle.get(), self.timeout_s)
@@ -109,12 +127,22 @@ class SymbolicPool:
             self._all.discard(worker)
             with contextlib.suppress(ProcessLookupError):
                 worker.proc.kill()  # now, not in the background task: it may be cancelled
-            task = asyncio.create_task(self._replace(worker))
-            self._respawns.add(task)
-            task.add_done_callback(self._respawns.discard)
+            if not self._stopped:
+                task = asyncio.create_task(self._replace(worker))
+                self._respawns.add(task)
+                task.add_done_callback(self._respawns.discard)
             return None
         self._idle.put_nowait(worker)
         return result
+
+    async def clear_caches(self) -> None:
+        """Empty every worker's parse cache (for benchmarks); waits for each to be idle."""
+        workers = [await self._idle.get() for _ in range(len(self._all))]
+        try:
+            await asyncio.gather(*(w.send("clear") for w in workers))
+        finally:
+            for w in workers:
+                self._idle.put_nowait(w)
 
     async def _replace(self, worker: _Worker) -> None:
         await worker.kill()

@@ -12,11 +12,14 @@ from services.common.process import ServiceProcess
 pytestmark = pytest.mark.integration
 
 
+LIMITS = ("--set", "max_response_chars=200000")
+
+
 @pytest.fixture(scope="module")
 def reward_url(tmp_path_factory):
     log = tmp_path_factory.mktemp("reward") / "reward.log"
     with ServiceProcess(
-        ["reward", "serve", "--set", "workers=2", "--set", "timeout_s=1.5"], log_path=str(log)
+        ["reward", "serve", *("--set", "workers=2", "--set", "timeout_s=1.5"), *LIMITS], log_path=str(log)
     ) as proc:
         yield proc.url
 
@@ -79,6 +82,21 @@ def test_pathological_answer_times_out_and_service_stays_healthy(reward_url):
     assert 'reward_grades_total{reason="timeout"}' in metrics and "reward_grade_seconds_bucket" in metrics
 
 
+def test_huge_expression_is_refused_at_once_and_oversized_fields_are_422(reward_url):
+    huge = "+".join(["(x+1)^{20}"] * 10_000)  # ~100 KB expression inside a normal-sized response
+    r = httpx.post(f"{reward_url}/score", json={"response": f"\\boxed{{{huge}}}", "ground_truth": "x"}).json()
+    assert r["reason"] == "too_long" and r["correct"] is False and r["score"] == -1.0
+    r = httpx.post(f"{reward_url}/score", json={"response": "x" * 200_001, "ground_truth": "1"})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "response"]
+    assert "max_response_chars=200000" in r.json()["detail"][0]["msg"]
+    r = httpx.post(f"{reward_url}/score", json={"response": "Answer: 1", "ground_truth": "1" * 10_001})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "ground_truth"]
+    items = [{"response": "Answer: 1", "ground_truth": "1"}, {"response": "x" * 200_001, "ground_truth": "1"}]
+    r = httpx.post(f"{reward_url}/score/batch", json={"items": items})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "items", 1, "response"]
+    assert httpx.get(f"{reward_url}/healthz").json()["status"] == "ok"
+
+
 @pytest.mark.parametrize(
     "body,field",
     [
@@ -127,3 +145,21 @@ def test_cli_grade_prints_json():
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["correct"] is True
+
+
+async def test_python_client_round_trip(reward_url):
+    from services.reward.client import RewardClient
+
+    client = RewardClient(reward_url)
+    try:
+        one = await client.score("<answer>\\boxed{2\\sqrt{3}}</answer>", "\\sqrt{12}", num_tool_calls=2)
+        assert one.correct is True and one.reason == "equivalent" and one.extracted == "2\\sqrt{3}"
+        many = await client.score_batch(
+            [
+                {"response": "Answer: 6.28", "ground_truth": "2\\pi"},
+                {"response": "Answer: 7", "ground_truth": "7"},
+            ]
+        )
+        assert [(r.correct, r.reason) for r in many] == [(False, "mismatch"), (True, "exact")]
+    finally:
+        await client.aclose()

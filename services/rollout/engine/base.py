@@ -3,7 +3,10 @@
 Invariants:
 - token ids in, token ids out; nothing is re-tokenized;
 - every generated token comes with the log-prob of the sampled token under the policy that
-  produced it, and that policy's version;
+  produced it, and that policy's version. The log-prob is ``log_softmax(logits / T)[token]``
+  (``T = 1`` when greedy): temperature-scaled, before top-p truncation; at T = 1 (RL rollouts)
+  it is the plain model log-prob the trainer recomputes;
+- EOS tokens are kept in ``token_ids`` (``finish_reason == "eos"``);
 - when a stop string is hit, the tokens that complete it are kept and generation ends with
   ``finish_reason == "stop"`` and ``stop_str`` set;
 - ``load_weights`` is atomic from the caller's point of view: tokens are produced either by

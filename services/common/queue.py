@@ -1,0 +1,182 @@
+"""Redis streams with consumer groups (redis-py asyncio): the prompts and groups queues.
+
+Delivery is at-least-once:
+- a consumer reads entries with XREADGROUP; they stay in the group's pending list (PEL) until
+  acknowledged with XACK;
+- a consumer that crashes leaves its entries pending; any consumer re-claims entries idle for
+  longer than a timeout with XAUTOCLAIM (``claim_stale``); a live consumer with long work keeps
+  its entries fresh with ``touch`` (XCLAIM to itself, which resets the idle time);
+- ``publish_and_ack`` writes a result to the output stream and acknowledges the input entry in
+  one MULTI/EXEC transaction (XADD then XACK): an input is never acknowledged without its result
+  written. A consumer wrongly presumed dead may still finish, so a result can appear twice;
+  readers dedupe on the payload's id (for groups: ``job_id``).
+Payloads are opaque bytes (msgpack, see services/common/schemas.py) under the field ``d``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+FIELD = b"d"
+
+
+@dataclass(frozen=True)
+class StreamMessage:
+    id: str
+    data: bytes
+    deliveries: int = 1  # known after ``claim_stale``: how often the group delivered this entry
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A client for ``redis://host:port/db`` (bytes responses)."""
+    return aioredis.Redis.from_url(url, decode_responses=False)
+
+
+def _id(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _messages(entries: list) -> list[StreamMessage]:
+    out = []
+    for raw_id, fields in entries:
+        if not fields or FIELD not in fields:  # entry deleted while pending: nothing to deliver
+            continue
+        out.append(StreamMessage(_id(raw_id), bytes(fields[FIELD])))
+    return out
+
+
+class RedisStream:
+    """One stream and (optionally) one consumer group on it."""
+
+    def __init__(self, client: aioredis.Redis, stream: str, group: str | None = None) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+
+    def _need_group(self) -> str:
+        if self.group is None:
+            raise ValueError(f"stream {self.stream!r}: this operation needs a consumer group")
+        return self.group
+
+    async def ensure_group(self, start_id: str = "0") -> None:
+        """Create the group (and the stream) if missing; ``start_id="0"`` delivers earlier entries too."""
+        try:
+            await self.client.xgroup_create(self.stream, self._need_group(), id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def add(
+        self, data: bytes, *, maxlen: int | None = None, extra: dict[str, str] | None = None
+    ) -> str:
+        """XADD ``data`` (field ``d``) plus optional string fields (e.g. a dead-letter reason)."""
+        fields = {FIELD: data, **{k.encode(): v.encode() for k, v in (extra or {}).items()}}
+        return _id(await self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
+
+    async def read(
+        self, consumer: str, *, count: int = 1, block_ms: int | None = None
+    ) -> list[StreamMessage]:
+        """New entries for ``consumer`` (XREADGROUP ``>``); waits up to ``block_ms`` when none."""
+        resp = await self.client.xreadgroup(
+            self._need_group(), consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        return [m for _, entries in (resp or []) for m in _messages(entries)]
+
+    async def read_own_pending(self, consumer: str, *, count: int = 100) -> list[StreamMessage]:
+        """Entries already delivered to ``consumer`` but not acknowledged (a restart under the same name)."""
+        resp = await self.client.xreadgroup(self._need_group(), consumer, {self.stream: "0"}, count=count)
+        return [m for _, entries in (resp or []) for m in _messages(entries)]
+
+    async def ack(self, *ids: str, delete: bool = False) -> int:
+        """XACK (and XDEL when ``delete``) the given entries; returns how many were pending."""
+        if not ids:
+            return 0
+        if not delete:
+            return int(await self.client.xack(self.stream, self._need_group(), *ids))
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(self.stream, self._need_group(), *ids)
+            pipe.xdel(self.stream, *ids)
+            acked, _ = await pipe.execute()
+        return int(acked)
+
+    async def claim_stale(self, consumer: str, *, min_idle_ms: int, count: int = 10) -> list[StreamMessage]:
+        """Take over entries pending for more than ``min_idle_ms`` in any consumer (XAUTOCLAIM)."""
+        out: list[StreamMessage] = []
+        start = "0-0"
+        while len(out) < count:
+            resp = await self.client.xautoclaim(
+                self.stream, self._need_group(), consumer, min_idle_ms, start_id=start, count=count - len(out)
+            )
+            nxt, entries = _id(resp[0]), resp[1]
+            out.extend(_messages(entries))
+            if nxt == "0-0":
+                break
+            start = nxt
+        if not out:
+            return out
+        async with self.client.pipeline(transaction=False) as pipe:
+            for m in out:
+                pipe.xpending_range(self.stream, self._need_group(), min=m.id, max=m.id, count=1)
+            infos = await pipe.execute()
+        return [
+            StreamMessage(m.id, m.data, int(info[0]["times_delivered"]) if info else m.deliveries)
+            for m, info in zip(out, infos, strict=True)
+        ]
+
+    async def touch(self, consumer: str, ids: list[str]) -> None:
+        """Reset the idle time of ``consumer``'s in-progress entries so they are not re-claimed."""
+        if ids:
+            await self.client.xclaim(self.stream, self._need_group(), consumer, 0, ids, justid=True)
+
+    async def depth(self) -> int:
+        """Entries in the stream (acknowledged entries count until deleted or trimmed)."""
+        return int(await self.client.xlen(self.stream))
+
+    async def pending(self) -> int:
+        """Entries delivered to some consumer and not yet acknowledged."""
+        info = await self.client.xpending(self.stream, self._need_group())
+        return int(info["pending"])
+
+    async def lag(self) -> int:
+        """Entries not yet delivered to the group (Redis >= 7 reports it; else counted from XLEN)."""
+        group = self._need_group()
+        for info in await self.client.xinfo_groups(self.stream):
+            name = _id(info["name"])
+            if name == group:
+                lag = info.get("lag")
+                if lag is not None:
+                    return int(lag)
+                return max(await self.depth() - int(info.get("entries-read") or 0), 0)
+        raise ValueError(f"stream {self.stream!r} has no consumer group {group!r}")
+
+    async def backlog(self) -> int:
+        """Work outstanding for the group: undelivered + delivered-but-unacknowledged entries."""
+        return await self.lag() + await self.pending()
+
+
+async def publish_and_ack(
+    out: RedisStream,
+    data: bytes,
+    inp: RedisStream,
+    ids: list[str],
+    *,
+    maxlen: int | None = None,
+    delete: bool = True,
+    extra: dict[str, str] | None = None,
+) -> str:
+    """XADD ``data`` to ``out`` then XACK (and XDEL) ``ids`` on ``inp``, atomically (MULTI/EXEC).
+
+    Both streams must live on the same Redis server (``out.client`` is used for the transaction).
+    """
+    group = inp._need_group()
+    async with out.client.pipeline(transaction=True) as pipe:
+        fields = {FIELD: data, **{k.encode(): v.encode() for k, v in (extra or {}).items()}}
+        pipe.xadd(out.stream, fields, maxlen=maxlen, approximate=True)
+        pipe.xack(inp.stream, group, *ids)
+        if delete:
+            pipe.xdel(inp.stream, *ids)
+        res = await pipe.execute()
+    return _id(res[0])

@@ -1,0 +1,244 @@
+"""Wire schemas shared by the trainer and the rollout service: PromptJob, Trajectory, Group.
+
+Invariants (checked when a model is built, so a bad message fails at the boundary):
+- a trajectory's ``response_ids``, ``loss_mask``, ``logprobs`` and ``versions`` have the same
+  length; ``loss_mask[i] == 0`` exactly where ``versions[i] == -1`` (interpreter/tool tokens, not
+  the policy's actions), and those positions carry ``logprobs[i] == 0.0``;
+- token ids are never re-tokenized: they travel as int32 arrays end to end.
+
+Binary encoding (msgpack, used on the Redis streams): every array travels as little-endian
+packed bytes -- token ids and versions ``int32``, loss mask ``uint8``, log-probs ``float32`` --
+never as JSON floats. Log-probs therefore round-trip at float32 precision. The JSON form (HTTP)
+uses plain lists.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+TrajectoryFinish = Literal["eos", "answer", "max_turns", "length", "abort", "error"]
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(WireModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class RolloutSampling(WireModel):
+    """Sampling of one rollout request; ``max_tokens`` bounds the whole response (all turns)."""
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, description="response token budget; default from config")
+    seed: int | None = Field(None, description="sample i of a request uses seed + i")
+
+
+class PromptJob(WireModel):
+    """One prompt to roll out ``n`` times (trainer -> ``prompts`` stream). ``job_id`` is the dedupe key."""
+
+    job_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1)
+    messages: list[ChatMessage] | None = None
+    prompt_ids: list[int] | None = Field(None, description="already chat-templated prompt token ids")
+    ground_truth: str | None = None
+    data_source: str | None = None
+    n: int = Field(1, ge=1, le=1024)
+    sampling: RolloutSampling = Field(default_factory=RolloutSampling)
+    max_turns: int | None = Field(None, ge=0)
+    policy_version: int = Field(-1, description="trainer's policy version when the job was admitted")
+    meta: dict[str, Any] = Field(default_factory=dict, description="opaque, copied onto the Group")
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> PromptJob:
+        if (self.messages is None) == (self.prompt_ids is None):
+            raise ValueError("exactly one of 'messages' or 'prompt_ids' must be given")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("'prompt_ids' must not be empty")
+        return self
+
+    def to_msgpack(self) -> bytes:
+        data = self.model_dump(mode="json", exclude={"prompt_ids"})
+        data["prompt_ids"] = _pack(self.prompt_ids, np.int32) if self.prompt_ids is not None else None
+        data["schema"] = SCHEMA_VERSION
+        return msgpack.packb(data, use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, raw: bytes) -> PromptJob:
+        data = _unpack_envelope(raw, "PromptJob")
+        if data.get("prompt_ids") is not None:
+            data["prompt_ids"] = _unpack(data["prompt_ids"], np.int32)
+        return cls.model_validate(data)
+
+
+class Trajectory(WireModel):
+    """One response: generated tokens interleaved with interpreter tokens (loss mask 0)."""
+
+    index: int = Field(0, ge=0, description="sample index within its group")
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int] = Field(description="policy version per token; -1 for interpreter tokens")
+    turns: int = Field(0, ge=0, description="model generation segments")
+    tool_calls: int = Field(0, ge=0, description="tool calls attempted (malformed ones included)")
+    tool_errors: int = Field(0, ge=0, description="tool calls that ended in an error text")
+    finish_reason: TrajectoryFinish
+    truncated: bool = False
+    reward: float | None = None
+    correct: bool | None = None
+    extracted: str | None = None
+    reward_reason: str | None = None
+    response_text: str | None = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Trajectory:
+        _check_arrays(
+            len(self.response_ids),
+            np.asarray(self.loss_mask, dtype=np.int64),
+            np.asarray(self.logprobs, dtype=np.float64),
+            np.asarray(self.versions, dtype=np.int64),
+        )
+        return self
+
+    @property
+    def num_generated(self) -> int:
+        return int(sum(self.loss_mask))
+
+    def _to_wire(self) -> dict[str, Any]:
+        data = self.model_dump(exclude={"response_ids", "loss_mask", "logprobs", "versions"})
+        data["response_ids"] = _pack(self.response_ids, np.int32)
+        data["loss_mask"] = _pack(self.loss_mask, np.uint8)
+        data["logprobs"] = _pack(self.logprobs, np.float32)
+        data["versions"] = _pack(self.versions, np.int32)
+        return data
+
+    @classmethod
+    def _from_wire(cls, data: dict[str, Any]) -> Trajectory:
+        # arrays are typed by their packing: check the invariants on numpy arrays, validate the
+        # scalar fields with pydantic, and skip per-element validation of the long lists
+        arrays = {
+            "response_ids": _array(data.get("response_ids"), np.int32),
+            "loss_mask": _array(data.get("loss_mask"), np.uint8),
+            "logprobs": _array(data.get("logprobs"), np.float32),
+            "versions": _array(data.get("versions"), np.int32),
+        }
+        _check_arrays(
+            len(arrays["response_ids"]), arrays["loss_mask"], arrays["logprobs"], arrays["versions"]
+        )
+        empty: dict[str, Any] = {k: [] for k in arrays}
+        shell = cls.model_validate({**data, **empty})
+        return shell.model_copy(update={k: v.tolist() for k, v in arrays.items()})
+
+
+class Group(WireModel):
+    """The ``n`` scored trajectories of one PromptJob (rollout -> ``groups`` stream)."""
+
+    job_id: str = Field(min_length=1, description="dedupe key: at-least-once delivery may repeat a group")
+    prompt_ids: list[int]
+    trajectories: list[Trajectory]
+    ground_truth: str | None = None
+    data_source: str | None = None
+    job_policy_version: int = -1
+    min_version: int = Field(-1, description="oldest policy version among generated tokens (-1 if none)")
+    max_version: int = Field(-1, description="newest policy version among generated tokens (-1 if none)")
+    replica: str = ""
+    meta: dict[str, Any] = Field(default_factory=dict)
+    created_at: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _indices(self) -> Group:
+        idx = [t.index for t in self.trajectories]
+        if idx != list(range(len(idx))):
+            raise ValueError(f"trajectory indices must be 0..n-1 in order, got {idx}")
+        return self
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [t.reward for t in self.trajectories]
+
+    def to_msgpack(self) -> bytes:
+        data = self.model_dump(exclude={"prompt_ids", "trajectories"})
+        data["prompt_ids"] = _pack(self.prompt_ids, np.int32)
+        data["trajectories"] = [t._to_wire() for t in self.trajectories]
+        data["schema"] = SCHEMA_VERSION
+        return msgpack.packb(data, use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, raw: bytes) -> Group:
+        data = _unpack_envelope(raw, "Group")
+        data["prompt_ids"] = _unpack(data["prompt_ids"], np.int32)
+        data["trajectories"] = [Trajectory._from_wire(t) for t in data["trajectories"]]
+        return cls.model_validate(data)
+
+
+def version_range(trajectories: list[Trajectory]) -> tuple[int, int]:
+    """(min, max) policy version over generated tokens; (-1, -1) when nothing was generated."""
+    lo, hi = None, None
+    for t in trajectories:
+        gen = [v for v in t.versions if v >= 0]
+        if gen:
+            lo = min(gen) if lo is None else min(lo, min(gen))
+            hi = max(gen) if hi is None else max(hi, max(gen))
+    return (-1 if lo is None else lo, -1 if hi is None else hi)
+
+
+def _pack(values: list[int] | list[float], dtype: Any) -> bytes:
+    arr = np.asarray(values, dtype=dtype)
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _array(raw: Any, dtype: Any) -> np.ndarray:
+    if not isinstance(raw, bytes | bytearray):
+        raise ValueError(f"expected packed bytes, got {type(raw).__name__}")
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) % itemsize:
+        raise ValueError(f"packed array length {len(raw)} is not a multiple of {itemsize}")
+    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
+
+
+def _unpack(raw: Any, dtype: Any) -> list[Any]:
+    return _array(raw, dtype).tolist()
+
+
+def _check_arrays(n: int, mask: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
+    if not (len(mask) == len(logprobs) == len(versions) == n):
+        raise ValueError(
+            f"response_ids ({n}), loss_mask ({len(mask)}), logprobs ({len(logprobs)}) "
+            f"and versions ({len(versions)}) must have the same length"
+        )
+    if not n:
+        return
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("loss_mask values must be 0 or 1")
+    interp = versions == -1
+    if not np.array_equal(interp, mask == 0):
+        raise ValueError("loss_mask must be 0 exactly where versions == -1 (interpreter tokens)")
+    if (logprobs[interp] != 0.0).any():
+        raise ValueError("logprobs must be 0.0 for masked (interpreter) tokens")
+
+
+def _unpack_envelope(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        data = msgpack.unpackb(raw, raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ValueError(f"{what}: not valid msgpack: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: expected a msgpack map")
+    schema = data.pop("schema", None)
+    if schema != SCHEMA_VERSION:
+        raise ValueError(f"{what}: schema version {schema!r} is not supported (expected {SCHEMA_VERSION})")
+    return data

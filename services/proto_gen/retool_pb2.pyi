@@ -1,0 +1,65 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSegment(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "total_bytes", "offset", "length", "data_offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    total_bytes: int
+    offset: int
+    length: int
+    data_offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., data_offset: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("version", "segments", "data", "last", "total_tensors", "total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    segments: _containers.RepeatedCompositeFieldContainer[TensorSegment]
+    data: bytes
+    last: bool
+    total_tensors: int
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[TensorSegment, _Mapping]]] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_tensors: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("version", "tensors", "bytes", "receive_seconds", "load_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: int
+    bytes: int
+    receive_seconds: float
+    load_seconds: float
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., receive_seconds: _Optional[float] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class VersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VersionReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,329 @@
+"""The multi-turn tool loop: generate, pause at the tool stop string, run the code, append, continue.
+
+Semantics (one response = one trajectory):
+- the prompt is chat-templated once (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``
+  as text, then encoded without extra special tokens); the trainer may also send prompt ids;
+- each turn generates from ``prompt_ids + response_ids`` with stop strings ``[tool_stop]``
+  (``</code>`` or ``</tool_call>``) plus ``</answer>`` when ``stop_at_answer``; the model's tokens are
+  appended exactly as generated (never re-tokenized), loss mask 1, with their log-probs and the
+  policy version that produced each;
+- on the tool stop the call is parsed (``toolcall.py``); a valid call runs in the sandbox; the
+  output (or the error text, for malformed calls and sandbox failures) is cut in the middle to
+  ``max_tool_output_chars``, put into ``result_template`` (code format:
+  ``"\\n<interpreter>\\n{output}\\n</interpreter>\\n"``,
+  hermes: ``"\\n<tool_response>\\n{output}\\n</tool_response>\\n"``),
+  tokenized once on its own and appended with loss mask 0, log-prob 0.0 and version -1;
+- the response ends at EOS (``eos``), at a generated ``</answer>`` (``answer``), when the model asks
+  for tool call number ``max_turns + 1`` (``max_turns``; that request is not run), or when the
+  ``max_response_tokens`` budget of generated + interpreter tokens is used up (``length``,
+  ``truncated=True``; an interpreter block that does not fit is cut to the budget); the budget is
+  also capped by the engine's context (``engine.max_context - 1 - len(prompt)``) when it has one;
+- with ``sampling.seed`` set, sample ``i`` turn ``t`` uses seed ``seed + i + 1_000_003 * t``;
+- when the response ends and a ground truth is known, it is scored by the reward service with the
+  number of tool calls; the scored text is decoded with ``skip_special_tokens=True`` (no EOS or
+  chat markers), while ``response_text`` is the plain decode of ``response_ids``.
+Invariant: ``len(response_ids) == len(loss_mask) == len(logprobs) == len(versions)`` and the
+masked positions are exactly the interpreter tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from services.common.schemas import RolloutSampling, Trajectory
+from services.rollout.agent.sandbox import ToolResult, truncate_middle
+from services.rollout.agent.toolcall import ToolCall, parse_code_call, parse_hermes_call
+from services.rollout.config import AgentConfig
+from services.rollout.engine.base import Engine, SamplingParams
+
+EventSink = Callable[[dict[str, Any]], Awaitable[None]]
+
+ANSWER_STOP = "</answer>"
+
+
+class Tokenizer(Protocol):
+    eos_token_id: Any
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+class ToolRunner(Protocol):
+    async def run(self, code: str) -> ToolResult: ...
+
+
+class Scorer(Protocol):
+    async def score(
+        self, response: str, ground_truth: str, *, num_tool_calls: int = 0, data_source: str | None = None
+    ) -> Any: ...
+
+
+class AgentObserver:
+    """Metric hooks; the default does nothing (the server plugs Prometheus in)."""
+
+    def tokens_generated(self, n: int) -> None: ...
+
+    def tool_called(self, latency_s: float, error: bool) -> None: ...
+
+    def response_done(self, traj: Trajectory) -> None: ...
+
+
+class RewardUnavailable(RuntimeError):
+    """The reward service could not score a finished response (after retries)."""
+
+
+def hermes_tool_schema(name: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "Run Python code and return its stdout and stderr.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "Python source to execute"}},
+                "required": ["code"],
+            },
+        },
+    }
+
+
+@dataclass
+class _State:
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+    def add_generated(self, ids: list[int], lps: list[float], vers: list[int]) -> None:
+        if not (len(ids) == len(lps) == len(vers)):
+            raise RuntimeError(
+                f"engine returned {len(ids)} tokens, {len(lps)} log-probs, {len(vers)} versions"
+            )
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(float(x) for x in lps)
+        self.versions.extend(int(v) for v in vers)
+
+    def add_tool(self, ids: list[int]) -> None:
+        self.response_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+
+
+class AgentLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        tools: ToolRunner,
+        cfg: AgentConfig,
+        scorer: Scorer | None = None,
+        observer: AgentObserver | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.cfg = cfg
+        self.scorer = scorer
+        self.observer = observer or AgentObserver()
+
+    # -- prompt ---------------------------------------------------------------------------------
+    def build_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        if self.cfg.tool_format == "hermes":
+            kwargs["tools"] = [hermes_tool_schema(self.cfg.tool_name)]
+        text = self.tokenizer.apply_chat_template(messages, **kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _parse(self, turn_text: str) -> ToolCall:
+        if self.cfg.tool_format == "code":
+            return parse_code_call(turn_text)
+        return parse_hermes_call(turn_text, self.cfg.tool_name)
+
+    # -- one response ---------------------------------------------------------------------------
+    async def run_one(
+        self,
+        prompt_ids: list[int],
+        *,
+        index: int = 0,
+        sampling: RolloutSampling | None = None,
+        max_turns: int | None = None,
+        ground_truth: str | None = None,
+        data_source: str | None = None,
+        request_id: str = "req",
+        on_event: EventSink | None = None,
+    ) -> Trajectory:
+        sampling = sampling or RolloutSampling()
+        max_turns = self.cfg.max_turns if max_turns is None else max_turns
+        budget = sampling.max_tokens or self.cfg.max_response_tokens
+        stops = [self.cfg.tool_stop] + ([ANSWER_STOP] if self.cfg.stop_at_answer else [])
+        seed = None if sampling.seed is None else sampling.seed + index
+        # the engine's context (prompt + response) bounds the budget too, when the engine tells it
+        ctx = getattr(self.engine, "max_context", None)
+        if isinstance(ctx, int):
+            budget = min(budget, ctx - 1 - len(prompt_ids))
+        st = _State()
+        finish: str
+        truncated = False
+        while True:
+            remaining = budget - len(st.response_ids)
+            if remaining <= 0:
+                finish, truncated = "length", True
+                break
+            params = SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=remaining,
+                stop=stops,
+                seed=None if seed is None else seed + 1_000_003 * st.turns,  # a fresh stream per turn
+                n=1,
+            )
+            turn_start = len(st.response_ids)
+            reason, stop_str = None, None
+            async for chunk in self.engine.generate(
+                prompt_ids + st.response_ids, params, f"{request_id}-{index}-t{st.turns}"
+            ):
+                if chunk.token_ids:
+                    st.add_generated(chunk.token_ids, chunk.logprobs, chunk.versions)
+                    self.observer.tokens_generated(len(chunk.token_ids))
+                    if on_event is not None:
+                        await on_event(
+                            {
+                                "type": "token",
+                                "index": index,
+                                "token_ids": list(chunk.token_ids),
+                                "text": self.tokenizer.decode(chunk.token_ids),
+                            }
+                        )
+                if chunk.finished:
+                    reason, stop_str = chunk.finish_reason, chunk.stop_str
+            st.turns += 1
+            if reason == "stop" and stop_str == self.cfg.tool_stop:
+                if st.tool_calls >= max_turns:
+                    finish = "max_turns"
+                    break
+                st.tool_calls += 1
+                turn_text = self.tokenizer.decode(st.response_ids[turn_start:])
+                out = await self._call_tool(turn_text, index, on_event)
+                if out.error:
+                    st.tool_errors += 1
+                shown = truncate_middle(out.text, self.cfg.max_tool_output_chars)
+                ids = list(
+                    self.tokenizer.encode(
+                        self.cfg.template.replace("{output}", shown), add_special_tokens=False
+                    )
+                )
+                room = budget - len(st.response_ids)
+                st.add_tool(ids[:room])
+                if len(ids) > room:
+                    finish, truncated = "length", True
+                    break
+                continue
+            if reason == "stop" and stop_str == ANSWER_STOP:
+                finish = "answer"
+            elif reason == "stop" or reason == "eos":
+                finish = "eos"
+            elif reason == "length":
+                finish, truncated = "length", True
+            else:  # abort, or a stream that ended without a finished chunk
+                finish = "abort"
+            break
+        traj = await self._finish(st, index, finish, truncated, ground_truth, data_source)
+        self.observer.response_done(traj)
+        if on_event is not None:
+            await on_event({"type": "done", "index": index, "trajectory": traj.model_dump(mode="json")})
+        return traj
+
+    async def _call_tool(self, turn_text: str, index: int, on_event: EventSink | None) -> ToolResult:
+        call = self._parse(turn_text)
+        if on_event is not None:
+            await on_event({"type": "tool_call", "index": index, "code": call.code, "error": call.error})
+        if call.error is not None:
+            out = ToolResult(call.error, True)
+        else:
+            assert call.code is not None
+            out = await self.tools.run(call.code)
+            self.observer.tool_called(out.latency_s, out.error)
+        if on_event is not None:
+            await on_event({"type": "tool_result", "index": index, "text": out.text, "error": out.error})
+        return out
+
+    async def _finish(
+        self,
+        st: _State,
+        index: int,
+        finish: str,
+        truncated: bool,
+        ground_truth: str | None,
+        data_source: str | None,
+    ) -> Trajectory:
+        text = self.tokenizer.decode(st.response_ids)
+        reward = correct = extracted = reason = None
+        if ground_truth is not None and self.scorer is not None:
+            # the grader sees the text without special tokens (EOS, chat markers)
+            clean = self.tokenizer.decode(st.response_ids, skip_special_tokens=True)
+            res = await self._score(clean, ground_truth, st.tool_calls, data_source)
+            reward, correct, extracted, reason = float(res.score), res.correct, res.extracted, res.reason
+        return Trajectory(
+            index=index,
+            response_ids=st.response_ids,
+            loss_mask=st.loss_mask,
+            logprobs=st.logprobs,
+            versions=st.versions,
+            turns=st.turns,
+            tool_calls=st.tool_calls,
+            tool_errors=st.tool_errors,
+            finish_reason=finish,
+            truncated=truncated,
+            reward=reward,
+            correct=correct,
+            extracted=extracted,
+            reward_reason=reason,
+            response_text=text if self.cfg.include_text else None,
+        )
+
+    async def _score(self, text: str, ground_truth: str, num_tool_calls: int, data_source: str | None) -> Any:
+        assert self.scorer is not None
+        last: Exception | None = None
+        for attempt in range(self.cfg.reward_retries + 1):
+            if attempt:
+                await asyncio.sleep(0.2 * 2 ** (attempt - 1))
+            try:
+                return await self.scorer.score(
+                    text, ground_truth, num_tool_calls=num_tool_calls, data_source=data_source
+                )
+            except httpx.HTTPStatusError as exc:
+                last = exc
+                if exc.response.status_code < 500 and exc.response.status_code != 429:
+                    break
+            except httpx.HTTPError as exc:
+                last = exc
+        raise RewardUnavailable(f"reward service failed: {last}") from last
+
+    # -- a group --------------------------------------------------------------------------------
+    async def run_group(self, prompt_ids: list[int], n: int, **kwargs: Any) -> list[Trajectory]:
+        """``n`` independent responses to one prompt, concurrently, ordered by index.
+
+        If one response fails (engine or reward error), the others are cancelled and the error
+        is raised: a group is complete or absent.
+        """
+        tasks = [asyncio.ensure_future(self.run_one(prompt_ids, index=i, **kwargs)) for i in range(n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise

@@ -1,0 +1,119 @@
+"""Run tool code on the SandboxFusion-compatible sandbox and turn the result into interpreter text.
+
+Invariant: ``SandboxClient.run`` never raises for a sandbox problem (connection refused, 5xx,
+time-out, odd JSON); after bounded retries it returns a ``ToolResult`` with ``error=True`` and a
+text that says what went wrong. Output longer than the limit is cut in the middle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    error: bool
+    latency_s: float = 0.0
+
+
+def truncate_middle(text: str, max_chars: int) -> str:
+    """Keep the head and the tail of ``text`` so the result has at most ``max_chars`` characters."""
+    if len(text) <= max_chars:
+        return text
+    marker = f"\n...[{len(text)} chars, middle truncated]...\n"
+    keep = max(max_chars - len(marker), 2)
+    head = keep // 2
+    tail = keep - head
+    return text[:head] + marker + text[len(text) - tail :]
+
+
+def format_run_result(body: dict[str, Any], run_timeout_s: float) -> ToolResult:
+    """SandboxFusion response -> what the model sees (stdout, then stderr, then the failure if any)."""
+    status = body.get("status")
+    run = body.get("run_result") or {}
+    stdout = str(run.get("stdout") or "")
+    stderr = str(run.get("stderr") or "")
+    parts = [p for p in (stdout, stderr) if p]
+    error = status != "Success"
+    run_status = run.get("status")
+    if run_status == "TimeLimitExceeded":
+        parts.append(f"TimeoutError: execution exceeded {run_timeout_s:g} seconds")
+        error = True
+    elif status == "SandboxError" or (not run and status != "Success"):
+        parts.append(f"Sandbox error: {body.get('message') or status or 'unknown'}")
+        error = True
+    elif run.get("return_code") not in (0, None):
+        error = True
+        if not stderr:
+            parts.append(f"Process exited with code {run.get('return_code')}")
+    return ToolResult("\n".join(p.rstrip("\n") for p in parts), error)
+
+
+class SandboxClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        run_timeout_s: float = 10.0,
+        memory_mb: int = 1024,
+        request_timeout_s: float = 60.0,
+        retries: int = 2,
+        backoff_s: float = 0.2,
+        max_connections: int = 256,
+    ) -> None:
+        self.run_timeout_s = run_timeout_s
+        self.memory_mb = memory_mb
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._client = httpx.AsyncClient(
+            base_url=base_url,
+            timeout=request_timeout_s,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def run(self, code: str) -> ToolResult:
+        payload = {
+            "code": code,
+            "language": "python",
+            "run_timeout": self.run_timeout_s,
+            "memory_limit_MB": self.memory_mb,
+        }
+        start = time.perf_counter()
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            try:
+                r = await self._client.post("/run_code", json=payload)
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                continue
+            if r.status_code in RETRY_STATUS:
+                last = f"HTTP {r.status_code}"
+                continue
+            if r.status_code != 200:
+                return ToolResult(
+                    f"Sandbox error: HTTP {r.status_code}: {r.text[:200]}", True, time.perf_counter() - start
+                )
+            try:
+                body = r.json()
+            except ValueError:
+                return ToolResult("Sandbox error: response is not JSON", True, time.perf_counter() - start)
+            res = format_run_result(body if isinstance(body, dict) else {}, self.run_timeout_s)
+            return ToolResult(res.text, res.error, time.perf_counter() - start)
+        return ToolResult(
+            f"Sandbox error: unavailable after {self.retries + 1} attempts ({last})",
+            True,
+            time.perf_counter() - start,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,65 @@
+"""``retool rollout serve | push-weights``.
+
+The weight-push token is read from an environment variable or a file whose *name* is given on the
+command line; it is never a CLI value (it would show in ``ps``) and never logged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command("serve")
+def serve(
+    model: Path | None = typer.Option(None, help="model directory (weights + tokenizer)"),
+    host: str | None = typer.Option(None, help="bind address"),
+    port: int | None = typer.Option(None, help="HTTP port"),
+    grpc_port: int | None = typer.Option(None, help="weight-push gRPC port (needs a token)"),
+    sandbox_url: str | None = typer.Option(None, help="sandbox service, e.g. http://127.0.0.1:8080"),
+    reward_url: str | None = typer.Option(None, help="reward service; unset = responses are not scored"),
+    redis_url: str | None = typer.Option(None, help="consume prompt jobs from Redis (worker on)"),
+    tool_format: str | None = typer.Option(None, help="code | hermes"),
+    weight_token_env: str | None = typer.Option(None, help="NAME of the env var holding the weight token"),
+    weight_token_file: Path | None = typer.Option(None, help="file holding the weight token"),
+    config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON config file"),
+    set_: list[str] = typer.Option([], "--set", help="override, e.g. --set agent.max_turns=4"),
+) -> None:
+    """Start the rollout service (HTTP API, optional Redis worker and gRPC weight push)."""
+    from services.common.config import load_config
+    from services.rollout.config import RolloutConfig
+    from services.rollout.runtime import run_server
+
+    values: dict[str, object] = {
+        "model": str(model) if model else None,
+        "host": host,
+        "port": port,
+        "grpc_port": grpc_port,
+        "sandbox_url": sandbox_url,
+        "reward_url": reward_url,
+        "weight_token_env": weight_token_env,
+        "weight_token_file": str(weight_token_file) if weight_token_file else None,
+    }
+    if redis_url:
+        values["redis"] = {"url": redis_url}
+    if tool_format:
+        values["agent"] = {"tool_format": tool_format}
+    cfg = load_config(RolloutConfig, file=config, env_prefix="RETOOL_ROLLOUT", values=values, overrides=set_)
+    run_server(cfg)
+
+
+@app.command("push-weights")
+def push_weights(
+    checkpoint: Path = typer.Option(..., help="checkpoint directory (safetensors)"),
+    target: list[str] = typer.Option(..., help="rollout replica gRPC address host:port (repeatable)"),
+    version: int | None = typer.Option(None, help="policy version to announce"),
+    token_env: str = typer.Option("RETOOL_WEIGHT_TOKEN", help="NAME of the env var holding the token"),
+    token_file: Path | None = typer.Option(None, help="file holding the token (instead of the env var)"),
+) -> None:
+    """Stream a checkpoint's weights to rollout replicas over gRPC."""
+    from services.rollout.runtime import push_weights as do_push
+
+    do_push(checkpoint, target, version=version, token_env=token_env, token_file=token_file)

@@ -1,0 +1,120 @@
+"""Rollout service configuration (one validated model; env prefix ``RETOOL_ROLLOUT``).
+
+Invariant: the weight-push token is never a config value that could come from a command
+line; only the *name* of an environment variable or the *path* of a file that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.config import ConfigError, StrictModel
+
+ToolFormat = Literal["code", "hermes"]
+
+CODE_RESULT_TEMPLATE = "\n<interpreter>\n{output}\n</interpreter>\n"
+HERMES_RESULT_TEMPLATE = "\n<tool_response>\n{output}\n</tool_response>\n"
+
+
+class AgentConfig(StrictModel):
+    """The multi-turn tool loop (see services/rollout/agent/loop.py for the exact semantics)."""
+
+    tool_format: ToolFormat = Field("code", description="code: <code>..</code>; hermes: <tool_call>{json}")
+    tool_name: str = Field("code_interpreter", min_length=1, description="hermes function name")
+    max_turns: int = Field(8, ge=0, description="tool calls per response; one more request ends it")
+    max_response_tokens: int = Field(16384, ge=1, description="generated + interpreter tokens")
+    stop_at_answer: bool = Field(True, description="end the response when </answer> is generated")
+    max_tool_output_chars: int = Field(2048, ge=16, description="longer outputs keep head and tail")
+    result_template: str | None = Field(
+        None,
+        description="text appended after a tool call; {output} is replaced. Default per format: "
+        f"code {CODE_RESULT_TEMPLATE!r}, hermes {HERMES_RESULT_TEMPLATE!r}",
+    )
+    sandbox_run_timeout_s: float = Field(10.0, gt=0, description="run_timeout sent to /run_code")
+    sandbox_memory_mb: int = Field(1024, ge=16)
+    sandbox_request_timeout_s: float = Field(60.0, gt=0, description="HTTP timeout of one /run_code call")
+    sandbox_retries: int = Field(2, ge=0, description="retries on connection errors, 429 and 5xx")
+    sandbox_retry_backoff_s: float = Field(0.2, ge=0)
+    reward_retries: int = Field(2, ge=0)
+    reward_timeout_s: float = Field(60.0, gt=0)
+    include_text: bool = Field(True, description="put the decoded response text in each trajectory")
+
+    @model_validator(mode="after")
+    def _template(self) -> AgentConfig:
+        if self.result_template is not None and "{output}" not in self.result_template:
+            raise ValueError("result_template must contain '{output}'")
+        return self
+
+    @property
+    def tool_stop(self) -> str:
+        return "</code>" if self.tool_format == "code" else "</tool_call>"
+
+    @property
+    def template(self) -> str:
+        if self.result_template is not None:
+            return self.result_template
+        return CODE_RESULT_TEMPLATE if self.tool_format == "code" else HERMES_RESULT_TEMPLATE
+
+
+class RedisWorkerConfig(StrictModel):
+    url: str | None = Field(None, description="redis://host:port/db; unset = no queue worker")
+    prompts_stream: str = "retool:prompts"
+    groups_stream: str = "retool:groups"
+    group: str = Field("rollout", description="consumer group of the prompts stream")
+    consumer: str | None = Field(None, description="consumer name; default hostname-pid")
+    concurrency: int = Field(4, ge=1, description="prompt jobs processed at once by this replica")
+    block_ms: int = Field(1000, ge=1)
+    claim_idle_ms: int = Field(60_000, ge=100, description="re-claim jobs idle this long (crashed consumer)")
+    heartbeat_ms: int = Field(10_000, ge=50, description="how often in-progress jobs are touched")
+    drain_s: float = Field(30.0, ge=0, description="on shutdown, time given to running jobs to finish")
+    groups_maxlen: int | None = Field(None, ge=1, description="approximate cap of the groups stream")
+    max_deliveries: int = Field(
+        5, ge=1, description="a job delivered more often goes to the dead-letter stream"
+    )
+
+    @model_validator(mode="after")
+    def _heartbeat(self) -> RedisWorkerConfig:
+        if self.heartbeat_ms >= self.claim_idle_ms:
+            raise ValueError(
+                f"heartbeat_ms ({self.heartbeat_ms}) must be below claim_idle_ms "
+                f"({self.claim_idle_ms}) or live jobs get re-claimed"
+            )
+        return self
+
+
+class RolloutConfig(StrictModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="weight-push gRPC port; unset = off")
+    log_level: str = "INFO"
+    model: str | None = Field(None, description="model directory (weights + tokenizer)")
+    engine: Literal["hf", "vllm"] = "hf"
+    sandbox_url: str = "http://127.0.0.1:8080"
+    reward_url: str | None = Field(None, description="reward service; unset = trajectories unscored")
+    weight_token_env: str | None = Field("RETOOL_WEIGHT_TOKEN", description="env var holding the token")
+    weight_token_file: str | None = Field(None, description="file holding the weight-push token")
+    max_n: int = Field(64, ge=1, description="largest n accepted per request")
+    max_prompt_tokens: int = Field(4096, ge=1, description="longer prompts are refused (422 / dead letter)")
+    max_concurrent_requests: int = Field(64, ge=1)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    redis: RedisWorkerConfig = Field(default_factory=RedisWorkerConfig)
+
+
+def read_weight_token(cfg: RolloutConfig) -> str | None:
+    """The weight-push token from the file or env var named in the config (never logged)."""
+    if cfg.weight_token_file:
+        path = Path(cfg.weight_token_file)
+        if not path.is_file():
+            raise ConfigError(f"weight_token_file {path} does not exist")
+        token = path.read_text().strip()
+        if not token:
+            raise ConfigError(f"weight_token_file {path} is empty")
+        return token
+    if cfg.weight_token_env:
+        token = os.environ.get(cfg.weight_token_env, "").strip()
+        return token or None
+    return None

@@ -1,0 +1,1 @@
+"""Weight push over gRPC: trainer-side client, replica-side server, bucketed wire format."""

@@ -1,0 +1,312 @@
+"""Tensors <-> bucketed ``WeightChunk`` messages (the wire format of a weight push).
+
+Packing flattens tensors into messages of ``bucket_bytes`` (the last one may be smaller); a
+tensor larger than the room left in a bucket is split into byte segments across consecutive
+messages, in order. Staging reassembles them into one CPU buffer per tensor.
+
+Invariants:
+- a ``Stager`` never exposes a tensor until the whole push is complete (``last`` seen, every
+  declared tensor has all its bytes, totals match);
+- segments of a tensor arrive in byte order with no gaps or overlaps, and every segment's
+  metadata (dtype, shape, size) agrees with the tensor's first segment; anything else is a
+  ``PushError`` naming the tensor;
+- tensors are copied exactly once on each side (into the message on the client, into the
+  staging buffer on the server); staging buffers come from a ``StagingPool`` that is reused
+  from push to push (touching fresh pages costs far more than copying into warm ones), so the
+  tensors a ``Stager`` hands out are only valid until the next push starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+import torch
+
+from services.proto_gen import retool_pb2 as pb
+
+DEFAULT_BUCKET_BYTES = 4 << 20
+MIN_BUCKET_BYTES = 1 << 10
+MAX_BUCKET_BYTES = 32 << 20
+# message size limit on both ends: one bucket plus the segment metadata
+MAX_MESSAGE_BYTES = MAX_BUCKET_BYTES + (4 << 20)
+# channel/server options on both ends (gRPC's default message limit is 4 MiB)
+GRPC_BULK_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
+                 "bool")
+}
+
+
+class PushError(ValueError):
+    """A malformed or incomplete push; the message names the tensor or the field."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise PushError(f"dtype {name} is not supported (one of {sorted(DTYPES)})")
+    return name
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass
+class Bucket:
+    """One message's worth of tensor bytes: ``header`` (a ``WeightChunk`` without ``data``) + parts."""
+
+    header: pb.WeightChunk
+    parts: list[memoryview]
+
+    def to_message(self) -> pb.WeightChunk:
+        msg = pb.WeightChunk()
+        msg.CopyFrom(self.header)
+        msg.data = b"".join(self.parts)
+        return msg
+
+    def encode(self) -> bytes:
+        """The serialized ``WeightChunk``, with the tensor bytes copied exactly once."""
+        size = sum(len(p) for p in self.parts)
+        return b"".join([self.header.SerializeToString(), _DATA_TAG, _varint(size), *self.parts])
+
+
+_DATA_TAG = bytes([(3 << 3) | 2])  # WeightChunk.data: field 3, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise PushError("malformed WeightChunk: bad varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def decode_chunk(raw: bytes) -> tuple[pb.WeightChunk, memoryview]:
+    """Parse a serialized ``WeightChunk`` without copying ``data`` (a view into ``raw``).
+
+    Accepts any valid encoding (fields in any order), e.g. from a generated protobuf client.
+    """
+    buf = memoryview(raw)
+    header: list[memoryview] = []
+    data = memoryview(b"")
+    pos = 0
+    while pos < len(buf):
+        start = pos
+        key, pos = _read_varint(buf, pos)
+        wire = key & 7
+        if wire == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            length, pos = _read_varint(buf, pos)
+            if key >> 3 == 3:
+                if pos + length > len(buf):
+                    raise PushError("malformed WeightChunk: data runs past the message")
+                data = buf[pos:pos + length]
+                pos += length
+                continue
+            pos += length
+        else:
+            raise PushError(f"malformed WeightChunk: wire type {wire}")
+        if pos > len(buf):
+            raise PushError("malformed WeightChunk: truncated field")
+        header.append(buf[start:pos])
+    return pb.WeightChunk.FromString(b"".join(header)), data
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Bucket]:
+    """Pack tensors into buckets of ``bucket_bytes`` (the last one may be smaller)."""
+    if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
+        raise PushError(f"bucket_bytes: {bucket_bytes} is outside [{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}]")
+    parts: list[memoryview] = []
+    segments: list[pb.TensorSegment] = []
+    used = 0
+    n_tensors = total = 0
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise PushError(f"tensor {name!r} appears twice in the push")
+        seen.add(name)
+        data = _as_bytes(tensor)
+        dtype, shape, size = dtype_name(tensor.dtype), list(tensor.shape), len(data)
+        n_tensors += 1
+        total += size
+        offset = 0
+        while True:
+            n = min(bucket_bytes - used, size - offset)
+            segments.append(pb.TensorSegment(name=name, dtype=dtype, shape=shape, total_bytes=size,
+                                             offset=offset, length=n, data_offset=used))
+            parts.append(data[offset:offset + n])
+            used += n
+            offset += n
+            if used >= bucket_bytes:
+                yield Bucket(pb.WeightChunk(version=version, segments=segments), parts)
+                parts, segments, used = [], [], 0
+            if offset >= size:
+                break
+    yield Bucket(pb.WeightChunk(version=version, segments=segments, last=True, total_tensors=n_tensors,
+                                total_bytes=total), parts)
+
+
+def iter_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[pb.WeightChunk]:
+    """The same buckets as complete protobuf messages (for generated-stub clients and tests)."""
+    for bucket in iter_buckets(named_tensors, version, bucket_bytes):
+        yield bucket.to_message()
+
+
+class StagingPool:
+    """Per-tensor staging buffers kept between pushes (one push at a time may use a pool)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, nbytes: int) -> np.ndarray:
+        buf = self._buffers.get(name)
+        if buf is None or buf.nbytes != nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+            self._buffers[name] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers.values())
+
+
+@dataclass
+class _Staged:
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: np.ndarray
+    received: int = 0
+
+
+class Stager:
+    """Server side: reassemble one push; ``tensors()`` only once it is complete."""
+
+    def __init__(self, expected: dict[str, tuple[int, ...]] | None = None,
+                 max_bytes: int | None = None, pool: StagingPool | None = None) -> None:
+        self.expected = expected  # name -> shape, when the engine can tell (rejects early)
+        self.max_bytes = max_bytes
+        self.pool = pool
+        self.version: int | None = None
+        self.bytes = 0
+        self.last = False
+        self._staged: dict[str, _Staged] = {}
+
+    def add(self, chunk: pb.WeightChunk, data: bytes | memoryview | None = None) -> None:
+        """Stage one message; ``data`` overrides ``chunk.data`` (see ``decode_chunk``)."""
+        if self.last:
+            raise PushError("message after the one marked last")
+        if self.version is None:
+            self.version = chunk.version
+        elif chunk.version != self.version:
+            raise PushError(f"version changed inside a push ({self.version} -> {chunk.version})")
+        if data is None:
+            data = chunk.data
+        for seg in chunk.segments:
+            st = self._staged.get(seg.name) or self._start(seg)
+            if (seg.dtype, tuple(seg.shape), seg.total_bytes) != (st.dtype, st.shape, st.buffer.nbytes):
+                raise PushError(f"tensor {seg.name!r}: segment metadata disagrees with its first segment")
+            if seg.offset != st.received:
+                raise PushError(f"tensor {seg.name!r}: segment at byte {seg.offset}, expected {st.received}")
+            end = seg.data_offset + seg.length
+            if end > len(data) or seg.offset + seg.length > seg.total_bytes:
+                raise PushError(f"tensor {seg.name!r}: segment runs past the message or the tensor")
+            if seg.length:
+                st.buffer[seg.offset:seg.offset + seg.length] = np.frombuffer(
+                    data, dtype=np.uint8, count=seg.length, offset=seg.data_offset)
+            st.received += seg.length
+        self.bytes += len(data)
+        if chunk.last:
+            self.last = True
+            self._check_complete(chunk)
+
+    def _start(self, seg: pb.TensorSegment) -> _Staged:
+        if seg.dtype not in DTYPES:
+            raise PushError(f"tensor {seg.name!r}: dtype {seg.dtype!r} is not supported")
+        shape = tuple(int(d) for d in seg.shape)
+        itemsize = torch.empty((), dtype=DTYPES[seg.dtype]).element_size()
+        if any(d < 0 for d in shape) or prod(shape) * itemsize != seg.total_bytes:
+            raise PushError(
+                f"tensor {seg.name!r}: shape {list(shape)} x {seg.dtype} != {seg.total_bytes} bytes")
+        if self.expected is not None:
+            want = self.expected.get(seg.name)
+            if want is None:
+                raise PushError(f"tensor {seg.name!r} is not a weight of the served model")
+            if tuple(want) != shape:
+                raise PushError(f"tensor {seg.name!r}: shape {list(shape)}, the model has {list(want)}")
+        staged_total = sum(s.buffer.nbytes for s in self._staged.values()) + seg.total_bytes
+        if self.max_bytes is not None and staged_total > self.max_bytes:
+            raise PushError(f"push exceeds max_bytes={self.max_bytes}")
+        buffer = (self.pool.get(seg.name, seg.total_bytes) if self.pool is not None
+                  else np.empty(seg.total_bytes, dtype=np.uint8))
+        st = _Staged(seg.dtype, shape, buffer)
+        self._staged[seg.name] = st
+        return st
+
+    def _check_complete(self, last: pb.WeightChunk) -> None:
+        if last.total_tensors != len(self._staged):
+            raise PushError(f"incomplete push: {len(self._staged)} of {last.total_tensors} tensors arrived")
+        if last.total_bytes != self.bytes:
+            raise PushError(f"incomplete push: {self.bytes} of {last.total_bytes} bytes arrived")
+        short = [n for n, s in self._staged.items() if s.received != s.buffer.nbytes]
+        if short:
+            raise PushError(f"incomplete push: tensors missing bytes: {short[:5]}")
+
+    @property
+    def complete(self) -> bool:
+        return self.last
+
+    def names(self) -> list[str]:
+        return list(self._staged)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        if not self.last:
+            raise PushError("incomplete push: the message marked last never arrived")
+        out = []
+        for name, st in self._staged.items():
+            dtype = DTYPES[st.dtype]
+            if st.buffer.nbytes == 0:
+                out.append((name, torch.empty(st.shape, dtype=dtype)))
+                continue
+            raw = torch.from_numpy(st.buffer)
+            t = raw.to(torch.bool) if dtype == torch.bool else raw.view(dtype)
+            out.append((name, t.reshape(st.shape)))
+        return out

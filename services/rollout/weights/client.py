@@ -1,0 +1,172 @@
+"""Trainer side of the weight push: stream a state dict to every rollout replica at once.
+
+Invariants:
+- each bucket is packed once and fanned out to all targets (bounded queues: memory stays at a
+  few buckets per target, the slowest replica sets the pace);
+- a push to several replicas fails as a whole: if one target fails, the others are cancelled
+  mid-stream (their weights stay unchanged — the server applies only complete pushes) and a
+  ``WeightPushError`` lists each target's outcome; targets that had already finished keep the
+  new weights, so the caller retries the whole push (pushes are idempotent per version);
+- the token travels only in the gRPC metadata, never in logs or error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from services.proto_gen import retool_pb2 as pb
+from services.proto_gen import retool_pb2_grpc as pb_grpc
+from services.rollout.weights.bucketing import DEFAULT_BUCKET_BYTES, GRPC_BULK_OPTIONS, iter_buckets
+from services.rollout.weights.memory import keep_freed_buffers
+from services.rollout.weights.server import TOKEN_METADATA_KEY
+
+CHANNEL_OPTIONS = GRPC_BULK_OPTIONS
+QUEUE_DEPTH = 4
+PUSH_METHOD = "/retool.v1.WeightService/PushWeights"
+
+
+class WeightPushError(RuntimeError):
+    def __init__(self, message: str, results: dict[str, str]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+@dataclass
+class PushReport:
+    version: int
+    tensors: int
+    bytes: int
+    seconds: float
+    replies: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB/s per replica (1 GB = 1e9 bytes), end to end (received and loaded)."""
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+async def get_version(target: str, timeout_s: float = 10.0) -> int:
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        reply = await pb_grpc.WeightServiceStub(channel).GetVersion(pb.VersionRequest(), timeout=timeout_s)
+        return int(reply.version)
+
+
+async def _push_one(target: str, queue: asyncio.Queue[bytes | None], token: str,
+                    timeout_s: float | None) -> pb.PushReply:
+    async def requests() -> AsyncIterator[bytes]:
+        while (chunk := await queue.get()) is not None:
+            yield chunk
+
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        # serialized WeightChunk bytes from Bucket.encode (one copy of the tensor bytes)
+        call = channel.stream_unary(PUSH_METHOD, request_serializer=None,
+                                    response_deserializer=pb.PushReply.FromString)
+        return await call(requests(), metadata=((TOKEN_METADATA_KEY, token),), timeout=timeout_s)
+
+
+async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]], targets: list[str],
+                                version: int, token: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                                timeout_s: float | None = None) -> PushReport:
+    """Push ``named_tensors`` to every ``host:port`` in ``targets``; all are complete on return."""
+    if not targets:
+        raise ValueError("targets: at least one host:port is required")
+    if version < 0:
+        raise ValueError("version: must be >= 0")
+    keep_freed_buffers()
+    queues: dict[str, asyncio.Queue[bytes | None]] = {t: asyncio.Queue(QUEUE_DEPTH) for t in targets}
+    stats = {"tensors": 0, "bytes": 0}
+    start = time.perf_counter()
+
+    async def produce() -> None:
+        for bucket in iter_buckets(named_tensors, version, bucket_bytes):
+            if bucket.header.last:
+                stats["tensors"], stats["bytes"] = bucket.header.total_tensors, bucket.header.total_bytes
+            message = bucket.encode()
+            for q in queues.values():
+                await q.put(message)
+        for q in queues.values():
+            await q.put(None)
+
+    producer = asyncio.create_task(produce())
+    tasks = {t: asyncio.create_task(_push_one(t, queues[t], token, timeout_s)) for t in targets}
+    results: dict[str, str] = {}
+    try:
+        pending: set[asyncio.Task] = {producer, *tasks.values()}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.exception() is not None for t in done if not t.cancelled()):
+                break
+    finally:
+        for t in (producer, *tasks.values()):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(producer, *tasks.values(), return_exceptions=True)
+    seconds = time.perf_counter() - start
+    replies: dict[str, dict[str, float]] = {}
+    for target, task in tasks.items():
+        if task.cancelled():
+            results[target] = "cancelled (another target failed)"
+        elif (exc := task.exception()) is not None:
+            results[target] = _describe(exc)
+        else:
+            reply = task.result()
+            results[target] = "ok"
+            replies[target] = {"version": reply.version, "receive_seconds": reply.receive_seconds,
+                               "load_seconds": reply.load_seconds}
+    if not producer.cancelled() and (exc := producer.exception()) is not None:
+        raise exc
+    if any(r != "ok" for r in results.values()):
+        raise WeightPushError(f"weight push of version {version} failed: {json.dumps(results)}", results)
+    return PushReport(version, stats["tensors"], stats["bytes"], seconds, replies)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def push_state_dict(named_tensors: Iterable[tuple[str, torch.Tensor]], targets: list[str], version: int,
+                    token: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    timeout_s: float | None = None) -> PushReport:
+    """Synchronous ``push_state_dict_async`` (for code that is not inside an event loop)."""
+    return asyncio.run(push_state_dict_async(named_tensors, targets, version, token, bucket_bytes, timeout_s))
+
+
+def iter_checkpoint(checkpoint_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of a Hugging Face checkpoint directory (``*.safetensors``, sharded or not), lazily."""
+    from safetensors import safe_open
+
+    root = Path(checkpoint_dir)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint: no *.safetensors files in {root}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+async def push_checkpoint_async(checkpoint_dir: str | Path, targets: list[str], token: str,
+                                version: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                                timeout_s: float | None = None) -> PushReport:
+    """Push a checkpoint's weights; ``version=None`` means one above the highest version served."""
+    if version is None:
+        version = max(await asyncio.gather(*(get_version(t) for t in targets))) + 1
+    return await push_state_dict_async(iter_checkpoint(checkpoint_dir), targets, version, token,
+                                       bucket_bytes, timeout_s)
+
+
+def push_checkpoint(checkpoint_dir: str | Path, targets: list[str], token: str, version: int | None = None,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None) -> PushReport:
+    """Synchronous ``push_checkpoint_async``."""
+    return asyncio.run(
+        push_checkpoint_async(checkpoint_dir, targets, token, version, bucket_bytes, timeout_s))

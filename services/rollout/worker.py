@@ -1,0 +1,231 @@
+"""Redis worker: prompt jobs in (consumer group), one scored group of ``n`` trajectories out.
+
+At-least-once semantics:
+- a job is acknowledged only in the same MULTI/EXEC transaction that XADDs its group to the
+  groups stream (``publish_and_ack``), so an acknowledged job always has its group written;
+- while a job runs, the worker touches it every ``heartbeat_ms``; a job whose replica crashed
+  stops being touched and is re-claimed (XAUTOCLAIM) by any replica after ``claim_idle_ms``;
+- a job that fails here (engine or reward error) is left pending and is retried after
+  ``claim_idle_ms``; a job that cannot be decoded, is invalid for this replica (n, prompt length)
+  or was delivered more than ``max_deliveries`` times goes to ``<prompts_stream>:dead`` and is acked;
+- on shutdown, running jobs get ``drain_s`` to finish; the rest are cancelled and stay pending;
+- a replica presumed dead that still finishes writes a second group for the same job: the
+  trainer dedupes groups on ``job_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from services.common.logging import get_logger
+from services.common.queue import RedisStream, StreamMessage, publish_and_ack
+from services.common.schemas import Group, PromptJob, version_range
+from services.rollout.agent.loop import AgentLoop
+from services.rollout.config import RedisWorkerConfig
+
+log = get_logger("rollout.worker")
+
+
+@dataclass
+class WorkerStats:
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    jobs_dead: int = 0
+    jobs_reclaimed: int = 0
+    in_flight: int = 0
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        agent: AgentLoop,
+        prompts: RedisStream,
+        groups: RedisStream,
+        cfg: RedisWorkerConfig,
+        *,
+        max_n: int = 1024,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        self.agent = agent
+        self.prompts = prompts
+        self.groups = groups
+        self.cfg = cfg
+        self.max_n = max_n
+        self.max_prompt_tokens = max_prompt_tokens
+        self.consumer = cfg.consumer or default_consumer_name()
+        self.dead = RedisStream(prompts.client, f"{prompts.stream}:dead")
+        self.stats = WorkerStats()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Consume until ``stop`` is set; then in-flight jobs are cancelled (they stay pending)."""
+        await self.prompts.ensure_group()
+        log.info("rollout worker started", extra={"consumer": self.consumer, "stream": self.prompts.stream})
+        heartbeat = asyncio.create_task(self._heartbeat(stop))
+        last_claim = 0.0
+        try:
+            for msg in await self.prompts.read_own_pending(self.consumer, count=self.cfg.concurrency):
+                self._start(msg)
+            while not stop.is_set():
+                free = self.cfg.concurrency - len(self._tasks)
+                if free <= 0:
+                    await asyncio.wait(
+                        list(self._tasks.values()),
+                        timeout=self.cfg.block_ms / 1000,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                    continue
+                msgs: list[StreamMessage] = []
+                now = time.monotonic()
+                if now - last_claim >= self.cfg.heartbeat_ms / 1000:
+                    last_claim = now
+                    msgs = await self.prompts.claim_stale(
+                        self.consumer, min_idle_ms=self.cfg.claim_idle_ms, count=free
+                    )
+                    msgs = [m for m in msgs if m.id not in self._tasks]
+                    self.stats.jobs_reclaimed += len(msgs)
+                if not msgs:
+                    msgs = await self.prompts.read(self.consumer, count=free, block_ms=self.cfg.block_ms)
+                for msg in msgs:
+                    self._start(msg)
+        finally:
+            if self._tasks and self.cfg.drain_s > 0:  # let running jobs finish (heartbeat still on)
+                await asyncio.wait(list(self._tasks.values()), timeout=self.cfg.drain_s)
+            heartbeat.cancel()
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(heartbeat, *self._tasks.values(), return_exceptions=True)
+            await self._leave_group()
+
+    async def _leave_group(self) -> None:
+        """Remove this consumer from the group, but only when it holds no pending job (else the
+        jobs would be dropped from the pending list and lost; they stay for re-claiming)."""
+        try:
+            client, stream, group = self.prompts.client, self.prompts.stream, self.prompts.group
+            mine = await client.xpending_range(
+                stream, group, min="-", max="+", count=1, consumername=self.consumer
+            )
+            if not mine:
+                await client.xgroup_delconsumer(stream, group, self.consumer)
+        except Exception:  # best effort on the way out
+            log.warning("could not leave the consumer group", exc_info=True)
+
+    def _start(self, msg: StreamMessage) -> None:
+        if msg.id in self._tasks:
+            return
+        task = asyncio.create_task(self._process(msg))
+        self._tasks[msg.id] = task
+        self.stats.in_flight = len(self._tasks)
+
+        def _done(_: asyncio.Task[None], mid: str = msg.id) -> None:
+            self._tasks.pop(mid, None)
+            self.stats.in_flight = len(self._tasks)
+
+        task.add_done_callback(_done)
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self.cfg.heartbeat_ms / 1000)
+            ids = list(self._tasks)
+            if ids:
+                try:
+                    await self.prompts.touch(self.consumer, ids)
+                except Exception:  # a Redis hiccup must not kill the worker; the next beat retries
+                    log.warning("heartbeat failed", exc_info=True)
+
+    async def _dead_letter(self, msg: StreamMessage, reason: str) -> None:
+        log.error(
+            "prompt job sent to the dead-letter stream", extra={"entry": msg.id, "reason": reason[:500]}
+        )
+        await publish_and_ack(self.dead, msg.data, self.prompts, [msg.id], extra={"reason": reason[:2000]})
+        self.stats.jobs_dead += 1
+
+    def prompt_ids(self, job: PromptJob) -> list[int]:
+        """The job's prompt token ids; ValueError when the job cannot run on this replica."""
+        if job.n > self.max_n:
+            raise ValueError(f"n={job.n} exceeds this replica's max_n={self.max_n}")
+        if job.prompt_ids is not None:
+            ids = list(job.prompt_ids)
+        else:
+            assert job.messages is not None
+            try:
+                ids = self.agent.build_prompt([m.model_dump(exclude_none=True) for m in job.messages])
+            except Exception as exc:  # a chat template may reject a message sequence
+                raise ValueError(f"chat template failed: {exc}") from None
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, above max_prompt_tokens={self.max_prompt_tokens}"
+            )
+        return ids
+
+    async def _process(self, msg: StreamMessage) -> None:
+        if msg.deliveries > self.cfg.max_deliveries:
+            await self._dead_letter(
+                msg, f"delivered {msg.deliveries} times (max_deliveries={self.cfg.max_deliveries})"
+            )
+            return
+        try:
+            job = PromptJob.from_msgpack(msg.data)
+            prompt_ids = self.prompt_ids(job)
+        except ValueError as exc:
+            await self._dead_letter(msg, str(exc))
+            return
+        try:
+            group = await self.rollout(job, prompt_ids)
+            await publish_and_ack(
+                self.groups, group.to_msgpack(), self.prompts, [msg.id], maxlen=self.cfg.groups_maxlen
+            )
+            self.stats.jobs_done += 1
+            log.info(
+                "group written",
+                extra={"job_id": job.job_id, "n": job.n, "rewards": [t.reward for t in group.trajectories]},
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.jobs_failed += 1
+            log.error(
+                "prompt job failed; left pending for retry",
+                extra={"job_id": job.job_id, "error": str(exc)},
+                exc_info=True,
+            )
+
+    async def rollout(self, job: PromptJob, prompt_ids: list[int]) -> Group:
+        trajs = await self.agent.run_group(
+            prompt_ids,
+            job.n,
+            sampling=job.sampling,
+            max_turns=job.max_turns,
+            ground_truth=job.ground_truth,
+            data_source=job.data_source,
+            request_id=job.job_id,
+        )
+        lo, hi = version_range(trajs)
+        return Group(
+            job_id=job.job_id,
+            prompt_ids=prompt_ids,
+            trajectories=trajs,
+            ground_truth=job.ground_truth,
+            data_source=job.data_source,
+            job_policy_version=job.policy_version,
+            min_version=lo,
+            max_version=hi,
+            replica=self.consumer,
+            meta=job.meta,
+        )
+
+
+async def stop_task(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

@@ -1,0 +1,1 @@
+"""ReTool trainer: GRPO/DAPO/PPO losses, padding-free packing, FSDP2 training step."""

@@ -1,0 +1,1 @@
+"""Pure RL algorithm pieces (no I/O, no distributed state): advantages, losses, DAPO, metrics."""

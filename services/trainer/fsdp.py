@@ -1,0 +1,68 @@
+"""FSDP2 wiring: process group, device mesh, per-decoder-layer + root ``fully_shard``.
+
+Invariants: parallel sizes are validated (``TrainerConfig.validate_parallel``) before the process
+group or mesh is created; each decoder layer is its own FSDP unit and the actor (root) holds the
+embeddings, final norm and LM head; gradients are reduced in ``reduce_dtype`` (fp32 by default)
+and averaged over data-parallel ranks (``step.train_step`` scales the loss accordingly).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from services.common.config import ConfigError
+from services.trainer.actor import Actor
+from services.trainer.config import FSDPConfig, TrainerConfig
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed(cfg: TrainerConfig) -> tuple[int, int, DeviceMesh]:
+    """Validate sizes against WORLD_SIZE, then init the process group and a 1-D dp mesh."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp, _sp = cfg.validate_parallel(world)
+    backend = cfg.fsdp.backend
+    if backend == "auto":
+        backend = "nccl" if device_type() == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    mesh = init_device_mesh(device_type(), (dp,), mesh_dim_names=("dp",))
+    return dist.get_rank(), dist.get_world_size(), mesh
+
+
+def apply_fsdp2(actor: Actor, fsdp: FSDPConfig, mesh: DeviceMesh | None = None) -> Actor:
+    """Shard every decoder layer, then the root; enable gradient checkpointing if asked."""
+    if fsdp.cpu_offload and device_type() == "cpu":
+        raise ConfigError("fsdp.cpu_offload=true needs an accelerator (parameters already live on the CPU)")
+    if fsdp.gradient_checkpointing:
+        actor.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[fsdp.param_dtype], reduce_dtype=_DTYPES[fsdp.reduce_dtype])
+    offload: OffloadPolicy = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    for layer in actor.decoder_layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=fsdp.reshard_after_forward)
+    fully_shard(actor, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+    return actor
+
+
+def build_optimizer(actor: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(actor.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                             foreach=False)
+
+
+def full_state_dict(actor: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters (collective: every rank must call it)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in actor.named_parameters():
+        full = getattr(p.data, "full_tensor", None)
+        out[name] = (full() if full is not None else p.data).detach().cpu().clone()
+    return out

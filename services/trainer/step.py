@@ -1,0 +1,193 @@
+"""One RL training step: (optional) old-log-prob recompute, then ppo_epochs × mini-batches of
+gradient-accumulated micro-batches, grad clipping and an optimizer step per mini-batch.
+
+Invariants
+- The gradient of a mini-batch does not depend on how it is cut into micro-batches or
+  data-parallel shards: every micro-batch loss is normalised by the *mini-batch's* global token /
+  sequence counts (``agg_loss`` with explicit normalisers), and the loss is multiplied by the
+  data-parallel size because FSDP averages gradients over ranks. Hence FSDP on N ranks ==
+  one process on the same data (tests/integration/test_trainer_fsdp.py).
+- Every rank runs the same number of forward/backward passes per mini-batch (empty micro-batches
+  run a zero-weighted dummy pass), so FSDP collectives always line up.
+- All ranks receive the same sample list and pick their shard deterministically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from services.trainer.algo.dapo import tis_weights
+from services.trainer.algo.policy_loss import AggMode, ClipConfig, KLKind, agg_loss, kl_estimate, policy_loss
+from services.trainer.config import TrainerConfig
+from services.trainer.packing import (
+    MicroBatch,
+    TrainSample,
+    pack,
+    pad,
+    plan_equal_micro_batches,
+    shard_for_ranks,
+)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    mini_batch_size: int
+    micro_batch_max_tokens: int
+    ppo_epochs: int = 1
+    use_packing: bool = True
+    padded_micro_batch_size: int | None = None  # padded mode only: fixed sequences per micro-batch
+    pad_to_length: int | None = None  # padded mode only: fixed row width (verl without padding removal)
+    loss_agg_mode: AggMode = "token-mean"
+    clip: ClipConfig = ClipConfig()
+    entropy_coeff: float = 0.0
+    grad_clip: float = 1.0
+    tis_cap: float | None = None
+    kl_coef: float = 0.0  # > 0: add coef × KL(π || π_ref) (estimator ``kl_kind``) to the loss
+    kl_kind: KLKind = "k3"
+    recompute_old_logprobs: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> StepSettings:
+        return cls(mini_batch_size=cfg.mini_batch_size, micro_batch_max_tokens=cfg.micro_batch_max_tokens,
+                   ppo_epochs=cfg.ppo_epochs, use_packing=cfg.use_packing, loss_agg_mode=cfg.loss_agg_mode,
+                   padded_micro_batch_size=cfg.padded_micro_batch_size,
+                   clip=ClipConfig(cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c),
+                   entropy_coeff=cfg.entropy_coeff, grad_clip=cfg.grad_clip,
+                   tis_cap=cfg.tis.cap if cfg.tis.enabled else None,
+                   kl_coef=cfg.kl.coef if cfg.kl.use_kl_loss else 0.0, kl_kind=cfg.kl.kind,
+                   recompute_old_logprobs=cfg.recompute_old_logprobs)
+
+
+@dataclass(frozen=True)
+class DPInfo:
+    rank: int = 0
+    world: int = 1
+
+
+def _local_plan(minibatch: Sequence[TrainSample], settings: StepSettings, dp: DPInfo) -> list[list[int]]:
+    """Indices (into ``minibatch``) of this rank's micro-batches; same count on every rank."""
+    lengths = [len(s) for s in minibatch]
+    if not settings.use_packing and settings.padded_micro_batch_size is not None:
+        # baseline layout (verl without padding removal): contiguous shards, fixed-size chunks
+        per_rank = -(-len(minibatch) // dp.world)
+        mine = list(range(dp.rank * per_rank, min((dp.rank + 1) * per_rank, len(minibatch))))
+        k = settings.padded_micro_batch_size
+        chunks = [mine[i:i + k] for i in range(0, len(mine), k)]
+        return chunks + [[] for _ in range(-(-per_rank // k) - len(chunks))]
+    shards = shard_for_ranks(lengths, dp.world)
+    plans = plan_equal_micro_batches([[lengths[i] for i in shard] for shard in shards],
+                                     settings.micro_batch_max_tokens)
+    mine = shards[dp.rank]
+    return [[mine[j] for j in micro] for micro in plans[dp.rank]]
+
+
+def _collate(samples: Sequence[TrainSample], settings: StepSettings) -> MicroBatch:
+    return pack(samples) if settings.use_packing else pad(samples, pad_to=settings.pad_to_length)
+
+
+def _forward(actor: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    return actor(mb.input_ids, mb.position_ids, mb.attention_mask)
+
+
+def _split_back(values: torch.Tensor, mb: MicroBatch, samples: Sequence[TrainSample]) -> list[torch.Tensor]:
+    if mb.packed:
+        parts = [p.clone() for p in torch.split(values[0], [len(s) for s in samples])]
+        for p in parts:  # position 0 was predicted across the packing boundary: not a real log-prob
+            p[0] = 0.0
+        return parts
+    return [values[i, : len(s)].clone() for i, s in enumerate(samples)]
+
+
+@torch.no_grad()
+def recompute_logprobs(actor: nn.Module, samples: Sequence[TrainSample], settings: StepSettings,
+                       dp: DPInfo = DPInfo()) -> list[TrainSample]:
+    """Samples with ``old_logprobs`` from the current weights (computed for this rank's shard only;
+    other ranks' samples are returned unchanged)."""
+    out = list(samples)
+    mbs = settings.mini_batch_size
+    for start in range(0, len(samples), mbs):
+        minibatch = samples[start:start + mbs]
+        for micro in _local_plan(minibatch, settings, dp):
+            chosen = [minibatch[i] for i in micro] or [minibatch[0]]
+            mb = _collate(chosen, settings)
+            lp, _ = _forward(actor, mb)
+            if not micro:
+                continue
+            for i, values in zip(micro, _split_back(lp, mb, chosen), strict=True):
+                out[start + i] = replace(minibatch[i], old_logprobs=values.detach().clone())
+    return out
+
+
+def _grad_norm_and_clip(actor: nn.Module, max_norm: float) -> float:
+    params = [p for p in actor.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
+def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[TrainSample],
+               settings: StepSettings, dp: DPInfo = DPInfo()) -> dict[str, float]:
+    """Run one full step over ``samples`` (len must be a multiple of mini_batch_size)."""
+    if len(samples) == 0 or len(samples) % settings.mini_batch_size:
+        raise ValueError(f"got {len(samples)} samples; must be a positive multiple of mini_batch_size="
+                         f"{settings.mini_batch_size}")
+    if settings.recompute_old_logprobs:
+        samples = recompute_logprobs(actor, samples, settings, dp)
+    sums: dict[str, float] = {}
+    count = 0
+    grad_norms: list[float] = []
+    mbs = settings.mini_batch_size
+    for _ in range(settings.ppo_epochs):
+        for start in range(0, len(samples), mbs):
+            minibatch = samples[start:start + mbs]
+            num_tokens = float(sum(float(s.loss_mask.sum()) for s in minibatch))
+            optimizer.zero_grad(set_to_none=True)
+            for micro in _local_plan(minibatch, settings, dp):
+                if not micro:  # keep FSDP collectives aligned: zero-weighted pass
+                    mb = _collate([minibatch[0]], settings)
+                    lp, _ = _forward(actor, mb)
+                    (lp.sum() * 0.0).backward()
+                    continue
+                chosen = [minibatch[i] for i in micro]
+                mb = _collate(chosen, settings)
+                lp, ent = _forward(actor, mb)
+                old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
+                if old is None:
+                    raise ValueError("samples carry neither old_logprobs nor rollout_logprobs; enable "
+                                     "recompute_old_logprobs")
+                weights = None
+                if settings.tis_cap is not None:
+                    if mb.rollout_logprobs is None:
+                        raise ValueError("tis is enabled but samples carry no rollout_logprobs")
+                    weights = tis_weights(old, mb.rollout_logprobs, settings.tis_cap)
+                out = policy_loss(lp, old, mb.advantages, mb.loss_mask, clip=settings.clip,
+                                  agg_mode=settings.loss_agg_mode, is_weights=weights, entropy=ent,
+                                  seq_index=mb.seq_index, num_seqs=len(minibatch), num_tokens=num_tokens)
+                loss = out.loss
+                if settings.entropy_coeff > 0:
+                    loss = loss - settings.entropy_coeff * agg_loss(
+                        ent, mb.loss_mask, settings.loss_agg_mode, seq_index=mb.seq_index,
+                        num_seqs=len(minibatch), num_tokens=num_tokens)
+                if settings.kl_coef > 0:
+                    if mb.ref_logprobs is None:
+                        raise ValueError("kl loss is enabled but samples carry no ref_logprobs")
+                    kl = agg_loss(kl_estimate(lp, mb.ref_logprobs, settings.kl_kind), mb.loss_mask,
+                                  settings.loss_agg_mode, seq_index=mb.seq_index, num_seqs=len(minibatch),
+                                  num_tokens=num_tokens)
+                    loss = loss + settings.kl_coef * kl
+                    out.metrics["actor/kl_loss"] = float(kl.detach())
+                (loss * dp.world).backward()
+                out.metrics["actor/pg_loss"] = float(out.loss.detach())
+                for k, v in out.metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+            grad_norms.append(_grad_norm_and_clip(actor, settings.grad_clip))
+            optimizer.step()
+    metrics = {k: v / max(count, 1) for k, v in sums.items()}
+    metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
+    metrics["actor/optimizer_steps"] = float(len(grad_norms))
+    return metrics

@@ -1,0 +1,192 @@
+"""``retool trainer run`` as a real process: Redis streams, FSDP step, weight push, resume.
+
+Groups come from a scripted producer that plays the rollout side of the streams (it reads
+the real prompt jobs the trainer admits and answers each with a scored group); the weights
+go over real gRPC into a real transformers engine. The full rollout→trainer path with the
+rollout service generating is the end-to-end test's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+
+import pytest
+import yaml
+
+from services.common.queue import RedisStream, connect, publish_and_ack
+from services.common.schemas import Group, PromptJob, Trajectory
+from services.data.dapo import prepare_dapo
+from services.rollout.engine.hf import HFEngine
+from services.rollout.weights.server import start_weight_server
+from tests.helpers.datasets import dapo_row, write_dapo
+from tests.helpers.tiny_model import tiny_model_dir
+
+pytestmark = pytest.mark.integration
+TOKEN = "trainer-loop-token-9c2"
+
+
+async def _produce(redis_url: str, stop: asyncio.Event, seen: list[str]) -> None:
+    client = connect(redis_url)
+    prompts = RedisStream(client, "retool:prompts", "rollout")
+    groups = RedisStream(client, "retool:groups")
+    await prompts.ensure_group()
+    rng = random.Random(0)
+    while not stop.is_set():
+        for m in await prompts.read("scripted", count=4, block_ms=200):
+            job = PromptJob.from_msgpack(m.data)
+            seen.append(job.job_id)
+            trajs = []
+            for i in range(job.n):
+                n = rng.randint(4, 12)
+                trajs.append(
+                    Trajectory(
+                        index=i,
+                        response_ids=[rng.randint(5, 200) for _ in range(n)],
+                        loss_mask=[1] * n,
+                        logprobs=[-2.0] * n,
+                        versions=[max(job.policy_version, 0)] * n,
+                        finish_reason="eos",
+                        reward=1.0 if i % 2 == 0 else -1.0,
+                        turns=1,
+                    )
+                )
+            group = Group(
+                job_id=job.job_id,
+                prompt_ids=[1, 2, 3, 4],
+                trajectories=trajs,
+                min_version=max(job.policy_version, 0),
+                max_version=max(job.policy_version, 0),
+                job_policy_version=job.policy_version,
+            )
+            await publish_and_ack(groups, group.to_msgpack(), prompts, [m.id])
+    await client.aclose()
+
+
+def _config(tmp_path, model_dir, redis_url, target, max_steps):
+    rows = [dapo_row(f"What is {i} + {i}?", str(2 * i)) for i in range(12)]
+    dataset = tmp_path / "train.parquet"
+    if not dataset.exists():
+        prepare_dapo(write_dapo(tmp_path / "dapo.parquet", rows), dataset)
+    cfg = {
+        "dataset": str(dataset),
+        "redis_url": redis_url,
+        "rollout_targets": [target],
+        "weight_token_env": "RETOOL_WEIGHT_TOKEN",
+        "max_steps": max_steps,
+        "metrics_path": str(tmp_path / "metrics.jsonl"),
+        "group_wait_s": 60,
+        "trainer": {
+            "model_path": str(model_dir),
+            "batch_prompts": 2,
+            "group_size": 2,
+            "mini_batch_size": 4,
+            "max_prompt_len": 64,
+            "max_response_len": 64,
+            "micro_batch_max_tokens": 256,
+            "save_freq": 1,
+            "checkpoint_dir": str(tmp_path / "ckpt"),
+            "lr": 1e-4,
+            "max_staleness": 1,
+        },
+    }
+    path = tmp_path / f"run-{max_steps}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+async def _run_trainer(config_path, env) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "trainer",
+        "run",
+        "--config",
+        str(config_path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    return proc.returncode, out.decode()
+
+
+async def test_trains_pushes_checkpoints_and_resumes(tmp_path, tmp_path_factory, redis_server):
+    model_dir = tiny_model_dir(tmp_path_factory)
+    engine = HFEngine(model_dir)
+    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
+    stop, seen = asyncio.Event(), []
+    producer = asyncio.create_task(_produce(redis_server.url, stop, seen))
+    env = {**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN}
+    target = f"127.0.0.1:{server.port}"
+    try:
+        rc, out = await _run_trainer(_config(tmp_path, model_dir, redis_server.url, target, 3), env)
+        assert rc == 0, out
+        assert engine.version == 3  # one push per step, version bumped each time
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines] == [1, 2, 3]
+        assert all(m["weights/push_seconds"] > 0 and "actor/pg_loss" in m for m in lines)
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000003"]
+        # admission control: never more than (max_staleness + version + 1) * batch_prompts jobs
+        assert len(seen) <= (1 + 3 + 1) * 2
+
+        rc, out = await _run_trainer(_config(tmp_path, model_dir, redis_server.url, target, 5), env)
+        assert rc == 0, out
+        assert "resumed from" in out
+        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in lines] == [1, 2, 3, 4, 5]
+        assert lines[3]["policy/version"] == 4.0 and engine.version == 5
+        client = connect(redis_server.url)
+        groups = RedisStream(client, "retool:groups", "trainer")
+        assert await groups.pending() == 0  # everything used was acknowledged after its checkpoint
+        await client.aclose()
+    finally:
+        stop.set()
+        await producer
+        await server.stop(None)
+        await engine.shutdown()
+
+
+async def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(
+    tmp_path, tmp_path_factory, redis_server
+):
+    model_dir = tiny_model_dir(tmp_path_factory)
+    engine = HFEngine(model_dir)
+    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
+    stop, seen = asyncio.Event(), []
+    producer = asyncio.create_task(_produce(redis_server.url, stop, seen))
+    config = _config(tmp_path, model_dir, redis_server.url, f"127.0.0.1:{server.port}", 50)
+    config.write_text(config.read_text().replace("save_freq: 1", "save_freq: 100"))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "trainer",
+        "run",
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN},
+    )
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        for _ in range(600):
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 120) == 0
+        last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+        assert 2 <= last < 50
+        assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [f"step_{last:08d}"]
+    finally:
+        stop.set()
+        await producer
+        await server.stop(None)
+        await engine.shutdown()

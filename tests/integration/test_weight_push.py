@@ -1,0 +1,210 @@
+"""Weight push over a real gRPC server on loopback into a real (tiny) transformers engine.
+
+The engine and the gRPC server live in the test process (so the test can look at the engine's
+parameters); the last test runs the replica as a separate process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import torch
+
+from services.common.metrics import MetricsRegistry
+from services.proto_gen import retool_pb2 as pb
+from services.proto_gen import retool_pb2_grpc as pb_grpc
+from services.rollout.engine.base import SamplingParams, collect
+from services.rollout.engine.hf import HFEngine
+from services.rollout.weights.bucketing import iter_chunks
+from services.rollout.weights.client import (
+    WeightPushError,
+    get_version,
+    iter_checkpoint,
+    push_checkpoint_async,
+    push_state_dict_async,
+)
+from services.rollout.weights.server import TOKEN_METADATA_KEY, start_weight_server
+from tests.helpers.tiny_model import tiny_model_dir
+
+pytestmark = pytest.mark.integration
+TOKEN = "push-token-5d1e"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory, seed=0), tiny_model_dir(tmp_path_factory, seed=1)
+
+
+@pytest.fixture
+async def replica(dirs) -> AsyncIterator[tuple[HFEngine, str, MetricsRegistry]]:
+    engine = HFEngine(dirs[0])
+    registry = MetricsRegistry("test")
+    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN, registry=registry)
+    try:
+        yield engine, f"127.0.0.1:{server.port}", registry
+    finally:
+        await server.stop(None)
+        await engine.shutdown()
+
+
+def _snapshot(engine: HFEngine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+async def _greedy(engine: HFEngine) -> list[int]:
+    prompt = engine.tokenizer.encode("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
+    return (await collect(engine, prompt, GREEDY, "g"))[0].token_ids
+
+
+async def test_push_changes_greedy_output_and_bumps_version(replica, dirs):
+    engine, target, registry = replica
+    before = await _greedy(engine)
+    reference = HFEngine(dirs[1])
+    try:
+        expected = await _greedy(reference)
+    finally:
+        await reference.shutdown()
+    assert expected != before  # the two seeds really differ
+    report = await push_checkpoint_async(dirs[1], [target], TOKEN, version=None, bucket_bytes=64 << 10)
+    assert report.version == 1 and engine.version == 1 and await get_version(target) == 1
+    assert await _greedy(engine) == expected
+    assert report.bytes == sum(t.numel() * t.element_size() for _, t in iter_checkpoint(dirs[1]))
+    assert report.replies[target]["version"] == 1
+    text = registry.render().decode()
+    assert 'test_weight_pushes_total{outcome="ok"} 1.0' in text
+
+
+@pytest.mark.parametrize("token", ["wrong-token", None])
+async def test_missing_or_wrong_token_is_rejected_and_changes_nothing(replica, dirs, token):
+    engine, target, registry = replica
+    before = _snapshot(engine)
+    chunks = list(iter_chunks(iter_checkpoint(dirs[1]), version=5))
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.WeightServiceStub(channel)
+        metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.PushWeights(iter(chunks), metadata=metadata)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert TOKEN not in (err.value.details() or "")
+    with pytest.raises(WeightPushError, match="UNAUTHENTICATED"):
+        await push_checkpoint_async(dirs[1], [target], "nope", version=5)
+    assert engine.version == 0 and _same(before, _snapshot(engine))
+    assert 'test_weight_pushes_total{outcome="unauthenticated"} 2.0' in registry.render().decode()
+
+
+async def test_interrupted_push_changes_nothing_then_a_full_push_works(replica, dirs):
+    engine, target, _ = replica
+    before = _snapshot(engine)
+    chunks = list(iter_chunks(iter_checkpoint(dirs[1]), version=3, bucket_bytes=16 << 10))
+    assert len(chunks) > 10
+    sent = asyncio.Event()
+
+    async def half() -> AsyncIterator[pb.WeightChunk]:
+        for c in chunks[: len(chunks) // 2]:
+            yield c
+        sent.set()
+        await asyncio.sleep(3600)  # the trainer hangs / dies mid-push
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = pb_grpc.WeightServiceStub(channel).PushWeights(half(), metadata=((TOKEN_METADATA_KEY, TOKEN),))
+        await asyncio.wait_for(sent.wait(), 30)
+        await asyncio.sleep(0.2)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # a stream that simply ends early (no message marked last) is refused
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.WeightServiceStub(channel).PushWeights(
+                iter(chunks[:-1]), metadata=((TOKEN_METADATA_KEY, TOKEN),))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "incomplete" in err.value.details()
+    await asyncio.sleep(0.2)
+    assert engine.version == 0 and _same(before, _snapshot(engine))
+    report = await push_state_dict_async(iter_checkpoint(dirs[1]), [target], 3, TOKEN)
+    assert report.version == 3 and engine.version == 3
+    assert not _same(before, _snapshot(engine))
+
+
+async def test_partial_or_mismatched_push_is_refused(replica):
+    engine, target, _ = replica
+    before = _snapshot(engine)
+    params = dict(engine.model.named_parameters())
+    partial = [(n, p.detach() + 1) for n, p in list(params.items())[:3]]
+    with pytest.raises(WeightPushError, match="missing"):
+        await push_state_dict_async(partial, [target], 2, TOKEN)
+    wrong = [(n, p.detach()) for n, p in params.items()]
+    wrong[1] = (wrong[1][0], torch.zeros(7, 7))
+    with pytest.raises(WeightPushError, match=wrong[1][0]):
+        await push_state_dict_async(wrong, [target], 2, TOKEN)
+    extra = [*((n, p.detach()) for n, p in params.items()), ("model.not_a_weight", torch.zeros(2))]
+    with pytest.raises(WeightPushError, match="not_a_weight"):
+        await push_state_dict_async(extra, [target], 2, TOKEN)
+    assert engine.version == 0 and _same(before, _snapshot(engine))
+
+
+async def test_push_to_two_replicas_and_generation_continues_across_the_swap(dirs):
+    engines = [HFEngine(dirs[0]), HFEngine(dirs[0])]
+    servers = [await start_weight_server(e, "127.0.0.1", 0, TOKEN) for e in engines]
+    targets = [f"127.0.0.1:{s.port}" for s in servers]
+    try:
+        prompt = engines[0].tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        first = asyncio.Event()
+        versions: list[int] = []
+
+        async def consume() -> None:
+            params = SamplingParams(temperature=1.0, max_tokens=3000, seed=1)
+            async for chunk in engines[0].generate(prompt, params, "long"):
+                versions.extend(chunk.versions)
+                first.set()
+
+        gen = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), 30)
+        new = {n: p.detach() * 0.5 for n, p in engines[0].model.named_parameters()}
+        report = await push_state_dict_async(new.items(), targets, 4, TOKEN)
+        assert set(report.replies) == set(targets) and report.gbps > 0
+        assert [e.version for e in engines] == [4, 4]
+        await gen
+        assert versions[0] == 0 and versions[-1] == 4 and versions == sorted(versions)
+    finally:
+        for s in servers:
+            await s.stop(None)
+        for e in engines:
+            await e.shutdown()
+
+
+def test_standalone_replica_process_receives_a_checkpoint(dirs, tmp_path):
+    from services.common.process import free_port
+
+    port = free_port()
+    env = {**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN}
+    log = open(tmp_path / "replica.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout.weights.server", "--model", str(dirs[0]),
+                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert asyncio.run(get_version(target, timeout_s=1)) == 0
+                break
+            except grpc.aio.AioRpcError:
+                assert proc.poll() is None and time.monotonic() < deadline, "replica did not start"
+                time.sleep(0.2)
+        report = asyncio.run(push_checkpoint_async(dirs[1], [target], TOKEN, version=None))
+        assert report.version == 1 and asyncio.run(get_version(target)) == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+    assert TOKEN not in (tmp_path / "replica.log").read_text()

@@ -1,0 +1,42 @@
+"""Weight push into the real rollout service (``retool rollout serve --grpc-port``) as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from services.common.process import ServiceProcess, free_port
+from services.rollout.weights.client import (
+    WeightPushError,
+    get_version,
+    push_checkpoint,
+    push_checkpoint_async,
+)
+from tests.helpers.tiny_model import tiny_model_dir
+
+pytestmark = pytest.mark.integration
+TOKEN = "svc-push-token-93ab"
+
+
+def test_push_into_rollout_service_updates_version_and_metrics(tmp_path_factory, tmp_path):
+    served, pushed = tiny_model_dir(tmp_path_factory, seed=0), tiny_model_dir(tmp_path_factory, seed=1)
+    grpc_port = free_port()
+    log = tmp_path / "rollout.log"
+    args = ["rollout", "serve", "--model", str(served), "--grpc-port", str(grpc_port)]
+    with ServiceProcess(args, env={"RETOOL_WEIGHT_TOKEN": TOKEN}, log_path=log) as svc:
+        target = f"127.0.0.1:{grpc_port}"
+        with pytest.raises(WeightPushError, match="UNAUTHENTICATED"):
+            push_checkpoint(pushed, [target], "not-the-token", version=3)
+        assert httpx.get(svc.url + "/healthz").json()["weight_version"] == 0
+        report = push_checkpoint(pushed, [target], TOKEN, version=None)
+        assert report.version == 1 and report.bytes > 0
+        assert httpx.get(svc.url + "/healthz").json()["weight_version"] == 1
+        metrics = httpx.get(svc.url + "/metrics").text
+        assert "rollout_weight_version 1.0" in metrics
+        assert "rollout_weight_load_seconds_count 1.0" in metrics
+        assert asyncio.run(get_version(target)) == 1
+        asyncio.run(push_checkpoint_async(served, [target], TOKEN, version=7))
+        assert httpx.get(svc.url + "/healthz").json()["weight_version"] == 7
+    assert TOKEN not in log.read_text()

@@ -1,0 +1,57 @@
+"""DCP checkpoints: exact resume (weights, Adam state, RNG, step), keep-last-K, incomplete saves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from services.trainer.actor import Actor, tiny_qwen2
+from services.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from services.trainer.step import StepSettings, train_step
+from tests.integration.test_trainer_fsdp import make_samples
+
+SETTINGS = StepSettings(mini_batch_size=4, micro_batch_max_tokens=64)
+
+
+def _fresh() -> tuple[Actor, torch.optim.Optimizer]:
+    actor = Actor(tiny_qwen2(seed=9))
+    return actor, torch.optim.AdamW(actor.parameters(), lr=1e-3)
+
+
+def _params(actor: Actor) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in actor.named_parameters()}
+
+
+def test_resume_is_exact(tmp_path):
+    samples = make_samples()
+    actor, opt = _fresh()
+    train_step(actor, opt, samples, SETTINGS)
+    save_checkpoint(tmp_path, 7, actor, opt, extra={"dataset_cursor": 123})
+    train_step(actor, opt, samples, SETTINGS)
+    expected, expected_rand = _params(actor), torch.rand(3)
+
+    actor2, opt2 = _fresh()  # different state until loaded: it has not trained
+    meta = load_checkpoint(latest_checkpoint(tmp_path).path, actor2, opt2)
+    assert meta.step == 7 and meta.extra == {"dataset_cursor": 123}
+    train_step(actor2, opt2, samples, SETTINGS)
+    for name, value in _params(actor2).items():
+        torch.testing.assert_close(value, expected[name], atol=1e-7, rtol=0, msg=name)
+    torch.testing.assert_close(torch.rand(3), expected_rand)  # RNG restored too
+
+
+def test_keep_last_k_and_incomplete_saves_ignored(tmp_path):
+    actor, opt = _fresh()
+    train_step(actor, opt, make_samples(), replace(SETTINGS, mini_batch_size=8))
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, actor, opt, keep_last=2)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3]
+    (tmp_path / ".tmp-step_00000004" / "state").mkdir(parents=True)  # a crash mid-save
+    (tmp_path / "step_00000005").mkdir()  # no meta.json: never completed
+    assert latest_checkpoint(tmp_path).step == 3
+    with pytest.raises(FileNotFoundError, match="no meta.json"):
+        load_checkpoint(tmp_path / "step_00000005", actor, opt)
+    save_checkpoint(tmp_path, 6, actor, opt, keep_last=2)
+    assert not (tmp_path / ".tmp-step_00000004").exists()
+    assert [c.step for c in list_checkpoints(tmp_path)] == [3, 6]
