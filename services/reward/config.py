@@ -37,6 +37,7 @@ class RewardConfig(StrictModel):
         10_000, ge=1, description="longer ground truths: 422 naming the field"
     )
     max_answer_chars: int = Field(
-        1000, ge=1, description="longer extracted answers (unless the truth is long too): reason too_long"
+        1000, ge=1, description="longer extracted answers (unless the truth is long too) are cut off: "
+        "incorrect, reason timeout"
     )
     shaping: ShapingConfig = ShapingConfig()

@@ -4,25 +4,25 @@ Invariant: every grade ends in one of the ``Reason`` values; only ``exact``,
 ``equivalent`` are correct. The fast path (string identity, exact rationals, text) runs
 inline and is linear in the response length; only what it cannot decide goes to the
 killable symbolic pool. An extracted answer longer than ``max_answer_chars`` (or twice the
-ground truth, whichever is more) is incorrect with reason ``too_long`` before any parsing:
-no real answer is that long, and a huge expression would only tie up a worker until it is
-killed (reason ``timeout``).
+ground truth, whichever is more) is cut off before any parsing as incorrect with reason
+``timeout`` — the same outcome as an answer whose check runs past the limit, reached in
+microseconds instead of after tying up a worker until it is killed.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
+from services.reward import exact_special
 from services.reward.exact import compare_structures, to_fraction, to_structure
 from services.reward.extract import extract_answer
 from services.reward.normalize import split_normalize
 from services.reward.workers import SymbolicPool
 
-Reason = Literal[
-    "exact", "equivalent", "mismatch", "no_answer", "timeout", "too_long", "invalid_ground_truth"
-]
+Reason = Literal["exact", "equivalent", "mismatch", "no_answer", "timeout", "invalid_ground_truth"]
 MAX_ANSWER_CHARS = 1000
 _TEXTY = re.compile(r"^[a-z][a-z ]*$")
 
@@ -50,7 +50,7 @@ def fast_grade(
     if extracted is None:
         return Verdict(False, None, "no_answer")
     if len(extracted) > max(max_answer_chars, 2 * len(ground_truth)):
-        return Verdict(False, extracted, "too_long")
+        return Verdict(False, extracted, "timeout")
     truth_var, truth = split_normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
@@ -62,6 +62,13 @@ def fast_grade(
     tf, pf = to_fraction(truth), to_fraction(pred)
     if tf is not None and pf is not None:
         return Verdict(tf == pf, extracted, "exact" if tf == pf else "mismatch")
+    if (tf is None) != (pf is None):  # one side a plain number: √n, log_b a, ln a decided exactly
+        other = exact_special.value(pred if tf is not None else truth)
+        number = tf if tf is not None else pf
+        if isinstance(other, Fraction):
+            return Verdict(other == number, extracted, "equivalent" if other == number else "mismatch")
+        if other == exact_special.IRRATIONAL:
+            return Verdict(False, extracted, "mismatch")
     same = compare_structures(to_structure(pred), to_structure(truth))
     if same is not None:
         return Verdict(same, extracted, "equivalent" if same else "mismatch")

@@ -20,6 +20,13 @@ WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready
     ("y=2x+1", "y=1+2x"),
     ("1+2i", "2i+1"),
     ("\\frac{3\\pi}{2}", "\\frac{3}{2}\\pi"),
+    ("\\log_{5}25", "2"),
+    ("\\ln 27", "3\\ln 3"),
+    ("\\sin^2 t+\\cos^2 t", "1"),
+    ("\\tan^2 x + 1", "\\sec^2 x"),
+    ("e^{2}", "\\exp(2)"),
+    ("\\binom{5}{2}", "10"),
+    ("5!", "120"),
     ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"),
 ]
 
