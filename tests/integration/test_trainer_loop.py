@@ -99,8 +99,25 @@ def _config(tmp_path, model_dir, redis_url, target, max_steps):
     return path
 
 
-async def _run_trainer(config_path, env) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
+@pytest.fixture
+async def replica(tmp_path_factory, redis_server):
+    """A real engine behind a real weight server, and the scripted rollout side of the streams."""
+    model_dir = tiny_model_dir(tmp_path_factory)
+    engine = HFEngine(model_dir)
+    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
+    stop, seen = asyncio.Event(), []
+    producer = asyncio.create_task(_produce(redis_server.url, stop, seen))
+    try:
+        yield {"engine": engine, "target": f"127.0.0.1:{server.port}", "model": model_dir, "seen": seen}
+    finally:
+        stop.set()
+        await producer
+        await server.stop(None)
+        await engine.shutdown()
+
+
+def _start_trainer(config_path, stdout=asyncio.subprocess.PIPE):
+    return asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "services.cli",
@@ -108,85 +125,53 @@ async def _run_trainer(config_path, env) -> tuple[int, str]:
         "run",
         "--config",
         str(config_path),
-        stdout=asyncio.subprocess.PIPE,
+        stdout=stdout,
         stderr=asyncio.subprocess.STDOUT,
-        env=env,
+        env={**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN},
     )
+
+
+async def _run_trainer(config_path) -> tuple[int, str]:
+    proc = await _start_trainer(config_path)
     out, _ = await asyncio.wait_for(proc.communicate(), 300)
     return proc.returncode, out.decode()
 
 
-async def test_trains_pushes_checkpoints_and_resumes(tmp_path, tmp_path_factory, redis_server):
-    model_dir = tiny_model_dir(tmp_path_factory)
-    engine = HFEngine(model_dir)
-    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
-    stop, seen = asyncio.Event(), []
-    producer = asyncio.create_task(_produce(redis_server.url, stop, seen))
-    env = {**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN}
-    target = f"127.0.0.1:{server.port}"
-    try:
-        rc, out = await _run_trainer(_config(tmp_path, model_dir, redis_server.url, target, 3), env)
-        assert rc == 0, out
-        assert engine.version == 3  # one push per step, version bumped each time
-        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in lines] == [1, 2, 3]
-        assert all(m["weights/push_seconds"] > 0 and "actor/pg_loss" in m for m in lines)
-        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000003"]
-        # admission control: never more than (max_staleness + version + 1) * batch_prompts jobs
-        assert len(seen) <= (1 + 3 + 1) * 2
+async def test_trains_pushes_checkpoints_and_resumes(tmp_path, redis_server, replica):
+    engine = replica["engine"]
+    rc, out = await _run_trainer(_config(tmp_path, replica["model"], redis_server.url, replica["target"], 3))
+    assert rc == 0, out
+    assert engine.version == 3  # one push per step, version bumped each time
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert all(m["weights/push_seconds"] > 0 and "actor/pg_loss" in m for m in lines)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000003"]
+    # admission control: never more than (max_staleness + version + 1) * batch_prompts jobs
+    assert len(replica["seen"]) <= (1 + 3 + 1) * 2
 
-        rc, out = await _run_trainer(_config(tmp_path, model_dir, redis_server.url, target, 5), env)
-        assert rc == 0, out
-        assert "resumed from" in out
-        lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-        assert [m["step"] for m in lines] == [1, 2, 3, 4, 5]
-        assert lines[3]["policy/version"] == 4.0 and engine.version == 5
-        client = connect(redis_server.url)
-        groups = RedisStream(client, "retool:groups", "trainer")
-        assert await groups.pending() == 0  # everything used was acknowledged after its checkpoint
-        await client.aclose()
-    finally:
-        stop.set()
-        await producer
-        await server.stop(None)
-        await engine.shutdown()
+    rc, out = await _run_trainer(_config(tmp_path, replica["model"], redis_server.url, replica["target"], 5))
+    assert rc == 0, out
+    assert "resumed from" in out
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5]
+    assert lines[3]["policy/version"] == 4.0 and engine.version == 5
+    client = connect(redis_server.url)
+    groups = RedisStream(client, "retool:groups", "trainer")
+    assert await groups.pending() == 0  # everything used was acknowledged after its checkpoint
+    await client.aclose()
 
 
-async def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(
-    tmp_path, tmp_path_factory, redis_server
-):
-    model_dir = tiny_model_dir(tmp_path_factory)
-    engine = HFEngine(model_dir)
-    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
-    stop, seen = asyncio.Event(), []
-    producer = asyncio.create_task(_produce(redis_server.url, stop, seen))
-    config = _config(tmp_path, model_dir, redis_server.url, f"127.0.0.1:{server.port}", 50)
+async def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path, redis_server, replica):
+    config = _config(tmp_path, replica["model"], redis_server.url, replica["target"], 50)
     config.write_text(config.read_text().replace("save_freq: 1", "save_freq: 100"))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.cli",
-        "trainer",
-        "run",
-        "--config",
-        str(config),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN},
-    )
-    try:
-        metrics = tmp_path / "metrics.jsonl"
-        for _ in range(600):
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                break
-            await asyncio.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 120) == 0
-        last = json.loads(metrics.read_text().splitlines()[-1])["step"]
-        assert 2 <= last < 50
-        assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [f"step_{last:08d}"]
-    finally:
-        stop.set()
-        await producer
-        await server.stop(None)
-        await engine.shutdown()
+    proc = await _start_trainer(config, stdout=asyncio.subprocess.DEVNULL)
+    metrics = tmp_path / "metrics.jsonl"
+    for _ in range(600):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        await asyncio.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 120) == 0
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert 2 <= last < 50
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [f"step_{last:08d}"]
