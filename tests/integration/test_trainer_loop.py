@@ -16,6 +16,7 @@ import signal
 import sys
 
 import pytest
+import torch
 import yaml
 
 from services.common.queue import RedisStream, connect, publish_and_ack
@@ -159,6 +160,33 @@ async def test_trains_pushes_checkpoints_and_resumes(tmp_path, redis_server, rep
     groups = RedisStream(client, "retool:groups", "trainer")
     assert await groups.pending() == 0  # everything used was acknowledged after its checkpoint
     await client.aclose()
+
+    # the exported checkpoint is exactly what the replica was serving after the last push
+    out_dir = tmp_path / "hf"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "trainer",
+        "export",
+        "--checkpoint",
+        str(tmp_path / "ckpt" / "step_00000005"),
+        "--model",
+        str(replica["model"]),
+        "--out",
+        str(out_dir),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out.decode()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(out_dir).state_dict()
+    served = engine.model.state_dict()
+    assert set(exported) == set(served)
+    assert all(torch.equal(exported[k].float(), served[k].float()) for k in served)
+    assert AutoTokenizer.from_pretrained(out_dir).eos_token == "<|im_end|>"
 
 
 async def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path, redis_server, replica):
