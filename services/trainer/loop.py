@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.config import ConfigError, StrictModel
 from services.common.logging import get_logger
@@ -69,6 +69,16 @@ class RunConfig(StrictModel):
     rollout_urls: list[str] = Field(default_factory=list, description="rollout HTTP URLs used for validation")
     val_sampling: RolloutSampling = Field(default_factory=lambda: RolloutSampling(temperature=1.0, top_p=0.6))
     val_concurrency: int = Field(8, ge=1, description="validation prompts in flight")
+
+    @model_validator(mode="after")
+    def _supported(self) -> RunConfig:
+        if self.trainer.algorithm != "grpo":
+            raise ValueError(
+                f"trainer.algorithm={self.trainer.algorithm!r}: the run loop trains with grpo only; "
+                "the critic-based ppo estimator (GAE and value loss exist in services/trainer/algo) "
+                "is not wired into it yet"
+            )
+        return self
 
 
 def load_prompt_jobs(
