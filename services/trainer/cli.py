@@ -19,6 +19,7 @@ def run(
     import asyncio
     import json
     import os
+    import sys
 
     from services.common.config import load_config
     from services.common.logging import setup_logging
@@ -32,6 +33,13 @@ def run(
     setup_logging("INFO")
     steps = asyncio.run(Trainer(cfg).run())
     typer.echo(f"trained to step {steps}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Work, checkpoints and metrics are all written. Skip the interpreter's teardown: with
+        # gloo it sometimes aborts ("terminate called without an active exception") after a
+        # complete run, and torchrun would report the run as failed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @app.command("export")

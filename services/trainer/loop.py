@@ -438,5 +438,6 @@ class Trainer:
         if self.rank == 0:
             await self.redis.aclose()
         if dist.is_initialized():
+            dist.barrier()  # every rank is past its last collective before gloo/NCCL is torn down
             dist.destroy_process_group()
         return step

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -67,9 +68,14 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         state = full_state_dict(actor)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
-        dist.barrier()  # tear gloo down together: a rank exiting early aborts the other
-    finally:
+        dist.barrier()  # both ranks are done with every collective
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without gloo's C++ teardown: under load it sometimes aborts ("terminate called
+    # without an active exception") after all work is done, failing a correct run.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
@@ -127,9 +133,14 @@ def _ckpt_worker(rank: int, world: int, port: int, root: str) -> None:
         resumed = full_state_dict(resumed_actor)
         if rank == 0:
             torch.save({"continued": continued, "resumed": resumed, "step": meta.step}, f"{root}/result.pt")
-        dist.barrier()  # tear gloo down together: a rank exiting early aborts the other
-    finally:
+        dist.barrier()  # both ranks are done with every collective
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without gloo's C++ teardown: under load it sometimes aborts ("terminate called
+    # without an active exception") after all work is done, failing a correct run.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 @pytest.mark.integration
