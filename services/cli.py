@@ -23,11 +23,13 @@ def _register() -> None:
     from services.rollout import cli as rollout_cli
     from services.sandbox import cli as sandbox_cli
     from services.trainer import cli as trainer_cli
+    from services.trainer.sft import cli as sft_cli
 
     app.add_typer(sandbox_cli.app, name="sandbox", help="Sandboxed Python execution service.")
     app.add_typer(reward_cli.app, name="reward", help="Math answer grading service.")
     app.add_typer(rollout_cli.app, name="rollout", help="Tool-using rollout service and weight push.")
     app.add_typer(trainer_cli.app, name="trainer", help="RL training (GRPO/DAPO, PPO) under FSDP.")
+    app.add_typer(sft_cli.app, name="sft", help="Multi-turn SFT on tool-use traces (FSDP), HF export.")
     app.add_typer(data_cli.app, name="data", help="Prepare DAPO-Math-17k, ReTool-SFT and AIME files.")
     app.add_typer(model_cli.app, name="model", help="Build tiny models and tokenizers locally.")
     app.command("demo", help="Run the main job on an embedded default (no external services).")(demo.run)
