@@ -63,3 +63,51 @@ class VersionReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ShmRequest(_message.Message):
+    __slots__ = ("boot_id",)
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    boot_id: str
+    def __init__(self, boot_id: _Optional[str] = ...) -> None: ...
+
+class ShmTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "nbytes", "aliases")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ShmLayout(_message.Message):
+    __slots__ = ("layout_id", "paths", "segment_bytes", "tensors", "free_segment", "generation")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FREE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    layout_id: str
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    segment_bytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[ShmTensor]
+    free_segment: int
+    generation: int
+    def __init__(self, layout_id: _Optional[str] = ..., paths: _Optional[_Iterable[str]] = ..., segment_bytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[ShmTensor, _Mapping]]] = ..., free_segment: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ShmCommit(_message.Message):
+    __slots__ = ("version", "segment", "generation")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    segment: int
+    generation: int
+    def __init__(self, version: _Optional[int] = ..., segment: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...

@@ -44,6 +44,16 @@ class WeightServiceStub:
                 request_serializer=services_dot_proto__gen_dot_retool__pb2.VersionRequest.SerializeToString,
                 response_deserializer=services_dot_proto__gen_dot_retool__pb2.VersionReply.FromString,
                 _registered_method=True)
+        self.RegisterShm = channel.unary_unary(
+                '/retool.v1.WeightService/RegisterShm',
+                request_serializer=services_dot_proto__gen_dot_retool__pb2.ShmRequest.SerializeToString,
+                response_deserializer=services_dot_proto__gen_dot_retool__pb2.ShmLayout.FromString,
+                _registered_method=True)
+        self.CommitShm = channel.unary_unary(
+                '/retool.v1.WeightService/CommitShm',
+                request_serializer=services_dot_proto__gen_dot_retool__pb2.ShmCommit.SerializeToString,
+                response_deserializer=services_dot_proto__gen_dot_retool__pb2.PushReply.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -63,6 +73,20 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterShm(self, request, context):
+        """Colocated transport: the shared-memory segments, their layout and the free segment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitShm(self, request, context):
+        """Colocated transport: serve the weights written into the free segment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +99,16 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.GetVersion,
                     request_deserializer=services_dot_proto__gen_dot_retool__pb2.VersionRequest.FromString,
                     response_serializer=services_dot_proto__gen_dot_retool__pb2.VersionReply.SerializeToString,
+            ),
+            'RegisterShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterShm,
+                    request_deserializer=services_dot_proto__gen_dot_retool__pb2.ShmRequest.FromString,
+                    response_serializer=services_dot_proto__gen_dot_retool__pb2.ShmLayout.SerializeToString,
+            ),
+            'CommitShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitShm,
+                    request_deserializer=services_dot_proto__gen_dot_retool__pb2.ShmCommit.FromString,
+                    response_serializer=services_dot_proto__gen_dot_retool__pb2.PushReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +165,60 @@ class WeightService:
             '/retool.v1.WeightService/GetVersion',
             services_dot_proto__gen_dot_retool__pb2.VersionRequest.SerializeToString,
             services_dot_proto__gen_dot_retool__pb2.VersionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/retool.v1.WeightService/RegisterShm',
+            services_dot_proto__gen_dot_retool__pb2.ShmRequest.SerializeToString,
+            services_dot_proto__gen_dot_retool__pb2.ShmLayout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/retool.v1.WeightService/CommitShm',
+            services_dot_proto__gen_dot_retool__pb2.ShmCommit.SerializeToString,
+            services_dot_proto__gen_dot_retool__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,

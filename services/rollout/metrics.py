@@ -20,6 +20,8 @@ class RolloutMetrics(AgentObserver):
         self.in_flight = r.gauge("requests_in_flight", "HTTP rollout requests being served")
         self.requests = r.counter("requests_total", "HTTP rollout requests by outcome", ("outcome",))
         self.tool_calls = r.counter("tool_calls_total", "Tool calls by outcome", ("outcome",))
+        for outcome in ("ok", "error"):  # both series exist (at 0) before the first tool call
+            self.tool_calls.labels(outcome)
         self.sandbox_latency = r.histogram("sandbox_seconds", "Latency of one sandbox /run_code call")
         self.turns = r.histogram("turns", "Model generation turns per response", buckets=TURN_BUCKETS)
         self.trajectories = r.counter(

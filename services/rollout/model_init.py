@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-Size = Literal["tiny", "small", "bench"]
+Size = Literal["tiny", "small", "bench", "demo"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MARKUP = (
@@ -57,6 +57,7 @@ class ModelPreset(BaseModel):
     max_position_embeddings: int = 8192
     initializer_range: float = 0.02
     tie_word_embeddings: bool = True
+    individual_digits: bool = False  # tokenizer splits numbers into single digits (as Qwen2's does)
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -79,6 +80,10 @@ PRESETS: dict[str, ModelPreset] = {
         num_key_value_heads=4,
         initializer_range=0.05,
     ),
+    # `retool demo`: digits are single tokens so that copying numbers is easy to learn
+    "demo": ModelPreset(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.05,
+                        individual_digits=True),
     # ~131M parameters, ~526 MB in fp32: the weight-push benchmark's payload
     "bench": ModelPreset(
         vocab_size=4096,
@@ -175,13 +180,20 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0) -> Any:
-    """A byte-level BPE tokenizer trained on the synthetic corpus, as a PreTrainedTokenizerFast."""
+def build_tokenizer(vocab_size: int, seed: int = 0, individual_digits: bool = False) -> Any:
+    """A byte-level BPE tokenizer trained on the synthetic corpus, as a PreTrainedTokenizerFast.
+
+    With ``individual_digits`` every digit is its own pre-token (no merges across digits).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if individual_digits:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(SPECIAL_TOKENS),
@@ -244,7 +256,9 @@ def init_model_dir(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
         raise ValueError(f"size: {size!r} is not one of {sorted(PRESETS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(PRESETS[size].vocab_size, seed=0)
+    tokenizer = build_tokenizer(
+        PRESETS[size].vocab_size, seed=0, individual_digits=PRESETS[size].individual_digits
+    )
     model = build_model(size, tokenizer, seed=seed)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

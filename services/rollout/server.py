@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI
@@ -29,6 +29,7 @@ from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams
 from services.rollout.metrics import RolloutMetrics
 
 log = get_logger("rollout")
+T = TypeVar("T")
 
 # ``start_weight_server(engine, host, port, token, registry=...)`` (services.rollout.weights.server):
 # returns a started server with an async ``stop(grace)``
@@ -52,18 +53,29 @@ class TimedEngine:
         return self.inner.generate(prompt_ids, params, request_id)
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        await self._timed(self.inner.load_weights(named_tensors, version), version)
+
+    async def _timed_adopt(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> dict[str, torch.Tensor]:
+        return await self._timed(self.inner.adopt_weights(named_tensors, version), version)  # type: ignore[attr-defined]
+
+    async def _timed(self, load: Awaitable[T], version: int) -> T:
         start = time.perf_counter()
-        await self.inner.load_weights(named_tensors, version)
-        self.metrics.weight_load.observe(time.perf_counter() - start)
-        log.info(
-            "weights loaded", extra={"version": version, "seconds": round(time.perf_counter() - start, 3)}
-        )
+        result = await load
+        seconds = time.perf_counter() - start
+        self.metrics.weight_load.observe(seconds)
+        log.info("weights loaded", extra={"version": version, "seconds": round(seconds, 3)})
+        return result
 
     async def shutdown(self) -> None:
         await self.inner.shutdown()
 
     def __getattr__(self, name: str) -> Any:  # engine-specific extras (e.g. tokenizer, model)
-        return getattr(self.inner, name)
+        value = getattr(self.inner, name)
+        if name == "adopt_weights":  # zero-copy load (HFEngine), timed like load_weights
+            return self._timed_adopt
+        return value
 
 
 def _field_error(loc: list[Any], msg: str) -> JSONResponse:
@@ -273,11 +285,14 @@ async def _stream(
             ok = ok or kind == "end"
             yield sse(kind, ev)
     finally:
-        task.cancel()  # the client went away: stop generating
-        await asyncio.gather(task, return_exceptions=True)
+        # When the client goes away, Starlette cancels this generator, and its cancellation is
+        # level-triggered (anyio): every ``await`` in here is cancelled again. So stop generating and
+        # do the bookkeeping before the one await, which only reaps the (cancelled) producer.
+        task.cancel()
         state["in_flight"] -= 1
         metrics.in_flight.dec()
         metrics.requests.labels("ok" if ok else "error").inc()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _worker_metrics(metrics: RolloutMetrics, worker: Any) -> None:

@@ -7,14 +7,20 @@ model, as a real ``retool rollout serve`` subprocess, is tested in test_rollout_
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from services.common.process import free_port
 from services.rollout.config import RolloutConfig
+from services.rollout.engine.base import GenerationChunk, SamplingParams
 from services.rollout.server import create_app
 from tests.helpers import agent_fixtures
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
@@ -144,3 +150,84 @@ async def test_hermes_format_through_the_real_sandbox(sandbox_url: str) -> None:
     assert "\n<tool_response>\nFailed to decode tool call: Invalid \\escape" in t["response_text"]
     assert "\n<tool_response>\n120\n</tool_response>\n" in t["response_text"]
     assert (t["tool_calls"], t["tool_errors"], t["finish_reason"]) == (2, 1, "eos")
+
+
+class EndlessEngine:
+    """Streams one token every 10 ms forever; records which requests are running and which were closed."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.version = 0
+        self.running: set[str] = set()
+        self.closed: list[str] = []
+        self.tokens = 0
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        token = self.tokenizer.encode("a", add_special_tokens=False)[0]
+        self.running.add(request_id)
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                self.tokens += 1
+                yield GenerationChunk(
+                    index=0, token_ids=[token], logprobs=[-1.0], versions=[0], finished=False
+                )
+        finally:  # the consumer was cancelled (or closed the generator)
+            self.running.discard(request_id)
+            self.closed.append(request_id)
+
+    async def load_weights(self, named_tensors: Any, version: int) -> None:
+        self.version = version
+
+    async def shutdown(self) -> None:
+        return None
+
+
+def _gauge(metrics_text: str, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", metrics_text, re.MULTILINE)
+    assert match is not None, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+async def test_client_disconnect_mid_stream_cancels_the_generation() -> None:
+    """A real HTTP server (uvicorn): closing the SSE connection mid-stream aborts the engine's requests
+    and the request is no longer counted in flight; the server keeps serving."""
+    cfg = RolloutConfig(sandbox_url="http://127.0.0.1:9", max_n=4, model="endless")
+    engine = EndlessEngine(TOK)
+    app = create_app(cfg, engine, TOK)  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serve = asyncio.create_task(server.serve())
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert not serve.done() and time.monotonic() < deadline, "uvicorn did not start"
+            await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+            body = {"messages": MESSAGES, "n": 2, "stream": True, "sampling": {"max_tokens": 100000}}
+            async with c.stream("POST", "/v1/rollouts", json=body) as r:
+                assert r.status_code == 200
+                lines, tokens = r.aiter_lines(), 0  # kept open: a finalized iterator closes the response
+                while tokens < 5:
+                    tokens += await lines.__anext__() == "event: token"
+                await asyncio.sleep(0.2)  # the client stops reading; the server keeps the stream open
+                assert len(engine.running) == 2 and engine.closed == []
+                assert (await c.get("/healthz")).json()["in_flight"] == 1
+                assert _gauge((await c.get("/metrics")).text, "rollout_requests_in_flight") == 1
+                await r.aclose()  # the client goes away mid-stream: httpx drops the unread connection
+            while engine.running or (await c.get("/healthz")).json()["in_flight"]:
+                assert time.monotonic() < deadline + 30, f"still generating: {engine.running}"
+                await asyncio.sleep(0.05)
+            assert len(engine.closed) == 2
+            produced = engine.tokens
+            await asyncio.sleep(0.3)
+            assert engine.tokens == produced  # nothing generates any more
+            text = (await c.get("/metrics")).text
+            assert _gauge(text, "rollout_requests_in_flight") == 0
+            assert _gauge(text, 'rollout_requests_total{outcome="error"}') == 1
+            assert (await c.get("/healthz")).status_code == 200
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serve, 30)

@@ -136,6 +136,143 @@ async def test_interrupted_push_changes_nothing_then_a_full_push_works(replica, 
     assert not _same(before, _snapshot(engine))
 
 
+def _ptrs(engine: HFEngine) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+
+
+async def _interrupt_before_last(target: str, state: dict[str, torch.Tensor], version: int) -> None:
+    """Send every message of a push but the one marked last, then cancel (a trainer dying mid-push)."""
+    chunks = list(iter_chunks(state.items(), version=version, bucket_bytes=16 << 10))
+    sent = asyncio.Event()
+
+    async def all_but_last() -> AsyncIterator[pb.WeightChunk]:
+        for c in chunks[:-1]:
+            yield c
+        sent.set()
+        await asyncio.sleep(3600)
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = pb_grpc.WeightServiceStub(channel).PushWeights(
+            all_but_last(), metadata=((TOKEN_METADATA_KEY, TOKEN),))
+        await asyncio.wait_for(sent.wait(), 30)
+        await asyncio.sleep(0.3)  # the server stages what was sent (into its pool buffers)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    await asyncio.sleep(0.2)
+
+
+async def test_adopted_buffers_are_never_staged_into_after_repeated_pushes(replica, dirs):
+    """The engine serves the staged buffers themselves (no copy) and the pool takes back the ones they
+    replaced (double buffering): an interrupted push after adopted pushes leaves the served weights
+    exactly those of the last complete push."""
+    engine, target, _ = replica
+    a, b = dict(iter_checkpoint(dirs[0])), dict(iter_checkpoint(dirs[1]))
+    reference = HFEngine(dirs[1])
+    try:
+        expected_b = await _greedy(reference)
+    finally:
+        await reference.shutdown()
+    initial = _ptrs(engine)
+    ptrs = []
+    for version, state in ((1, b), (2, a), (3, b)):
+        await push_state_dict_async(state.items(), [target], version, TOKEN, bucket_bytes=16 << 10)
+        live = engine.model.state_dict()
+        assert engine.version == version and all(torch.equal(live[k], state[k]) for k in state)
+        ptrs.append(_ptrs(engine))
+    # adopted, not copied: every parameter moved off its original storage ...
+    assert all(ptrs[0][n] != initial[n] for n in initial)
+    # ... and the pool alternates between two sets of buffers
+    assert all(ptrs[1][n] != ptrs[0][n] for n in initial) and ptrs[2] == ptrs[0]
+    before = _snapshot(engine)
+    await _interrupt_before_last(target, a, version=9)  # stages a (!= b) into the pool buffers
+    assert engine.version == 3 and _same(before, _snapshot(engine)) and _ptrs(engine) == ptrs[2]
+    assert await _greedy(engine) == expected_b
+    # the next complete push works and is adopted from the other buffer set
+    await push_state_dict_async(a.items(), [target], 10, TOKEN, bucket_bytes=16 << 10)
+    assert engine.version == 10 and _ptrs(engine) == ptrs[1]
+    live = engine.model.state_dict()
+    assert all(torch.equal(live[k], a[k]) for k in a)
+
+
+async def test_tied_alias_and_other_dtypes_are_copied_not_adopted(dirs):
+    """Only a parameter's first name in a push is adopted (its tied alias is copied into it); a tensor
+    of another dtype is cast and copied into the existing storage; a refused push changes nothing."""
+    engine = HFEngine(dirs[0])
+    try:
+        assert engine.model.config.tie_word_embeddings
+        emb, head = "model.embed_tokens.weight", "lm_head.weight"
+        embedding = engine.model.get_input_embeddings().weight
+        assert embedding is engine.model.get_output_embeddings().weight  # one Parameter, two names
+        state = {n: t.clone() for n, t in iter_checkpoint(dirs[1])}
+        state[head] = state[emb].clone()
+        initial = _ptrs(engine)
+        with pytest.raises(KeyError, match="nope"):
+            await engine.adopt_weights([*state.items(), ("nope", torch.zeros(1))], 5)
+        assert engine.version == 0 and _ptrs(engine) == initial
+        replaced = await engine.adopt_weights(state.items(), 1)
+        assert head not in replaced and emb in replaced and engine.version == 1
+        assert embedding.data_ptr() == state[emb].data_ptr() and torch.equal(embedding, state[head])
+        assert set(replaced) == set(state) - {head}
+        params = dict(engine.model.named_parameters())
+        assert all(params[n].data_ptr() == state[n].data_ptr() for n in params)
+        before = _ptrs(engine)
+        doubles = {n: (t * 0.5).double() for n, t in state.items() if n != head}
+        assert await engine.adopt_weights(doubles.items(), 2) == {}
+        assert _ptrs(engine) == before and engine.version == 2
+        live = engine.model.state_dict()
+        assert all(torch.equal(live[n], t.float()) for n, t in doubles.items())
+    finally:
+        await engine.shutdown()
+
+
+class _SlowAfterLoad:
+    """An HFEngine whose ``adopt_weights`` returns only after a pause *after* the weights changed, so a
+    client can cancel the push between the swap and the server's bookkeeping."""
+
+    def __init__(self, inner: HFEngine) -> None:
+        self.inner = inner
+        self.loaded = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    async def adopt_weights(self, named_tensors, version):
+        replaced = await self.inner.adopt_weights(named_tensors, version)
+        self.loaded.set()
+        await asyncio.sleep(0.5)
+        return replaced
+
+
+async def test_push_cancelled_while_loading_is_loaded_and_hands_its_buffers_over(dirs):
+    engine = HFEngine(dirs[0])
+    slow = _SlowAfterLoad(engine)
+    registry = MetricsRegistry("test")
+    server = await start_weight_server(slow, "127.0.0.1", 0, TOKEN, registry=registry)  # type: ignore[arg-type]
+    target = f"127.0.0.1:{server.port}"
+    a, b = dict(iter_checkpoint(dirs[0])), dict(iter_checkpoint(dirs[1]))
+    try:
+        await push_state_dict_async(b.items(), [target], 1, TOKEN, bucket_bytes=16 << 10)
+        slow.loaded.clear()
+        push = asyncio.create_task(
+            push_state_dict_async(a.items(), [target], 2, TOKEN, bucket_bytes=16 << 10))
+        await asyncio.wait_for(slow.loaded.wait(), 30)
+        push.cancel()  # the client goes away while the server finishes the load
+        with pytest.raises(asyncio.CancelledError):
+            await push
+        await asyncio.sleep(1.0)
+        live = engine.model.state_dict()
+        assert engine.version == 2 and all(torch.equal(live[k], a[k]) for k in a)  # loaded whole
+        assert 'test_weight_pushes_total{outcome="ok"} 2.0' in registry.render().decode()  # it counts
+        before, ptrs = _snapshot(engine), _ptrs(engine)
+        await _interrupt_before_last(target, b, version=3)
+        assert engine.version == 2 and _same(before, _snapshot(engine)) and _ptrs(engine) == ptrs
+        assert 'test_weight_pushes_total{outcome="ok"} 2.0' in registry.render().decode()  # not applied
+    finally:
+        await server.stop(None)
+        await engine.shutdown()
+
+
 async def test_partial_or_mismatched_push_is_refused(replica):
     engine, target, _ = replica
     before = _snapshot(engine)

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from services.proto_gen import retool_pb2 as pb
-from services.rollout.weights.bucketing import PushError, Stager, decode_chunk, iter_buckets, iter_chunks
+from services.rollout.weights.bucketing import (
+    PushError,
+    Stager,
+    StagingPool,
+    decode_chunk,
+    iter_buckets,
+    iter_chunks,
+)
 from services.rollout.weights.memory import keep_freed_buffers
 
 KIB = 1 << 10
@@ -151,3 +158,27 @@ def test_malformed_messages_are_push_errors():
 
 def test_keep_freed_buffers_is_idempotent():
     assert keep_freed_buffers() == keep_freed_buffers()
+
+
+def _stage_into(pool: StagingPool, t: torch.Tensor, version: int) -> torch.Tensor:
+    stager = Stager(pool=pool)
+    for chunk in iter_chunks([("w", t)], version=version, bucket_bytes=1 << 10):
+        stager.add(chunk)
+    return dict(stager.tensors())["w"]
+
+
+def test_staging_pool_hands_adopted_buffers_over_and_takes_back_only_its_own():
+    pool = StagingPool()
+    original = torch.zeros(64, 8)  # the engine's own weights: never staged into
+    first = _stage_into(pool, torch.full((64, 8), 1.0), 1)
+    pool.handoff("w", first, original)  # the engine now serves `first`
+    assert pool.nbytes == 0
+    second = _stage_into(pool, torch.full((64, 8), 2.0), 2)
+    assert second.data_ptr() not in (first.data_ptr(), original.data_ptr())
+    assert torch.equal(first, torch.full((64, 8), 1.0)) and torch.equal(original, torch.zeros(64, 8))
+    pool.handoff("w", second, first)  # `first` was lent by the pool: it is the next staging buffer
+    third = _stage_into(pool, torch.full((64, 8), 3.0), 3)
+    assert third.data_ptr() == first.data_ptr() and torch.equal(second, torch.full((64, 8), 2.0))
+    # a tensor the engine copied (not the pool's buffer) leaves the pool as it was
+    pool.handoff("w", third.clone(), second)
+    assert _stage_into(pool, torch.full((64, 8), 4.0), 4).data_ptr() == first.data_ptr()

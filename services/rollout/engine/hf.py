@@ -9,7 +9,8 @@ decode forward for every active sequence, (4) samples one token per sequence.
 Invariants:
 - a step holds ``_step_lock`` from the first forward to the last sampled token; ``load_weights``
   takes the same lock, so no forward pass ever mixes old and new weights and every token is
-  tagged with the version of the weights that produced it;
+  tagged with the version of the weights that produced it; ``adopt_weights`` swaps the given
+  tensors in as ``param.data`` under that lock (no copy) and hands back the replaced storage;
 - the reported log-prob of a token is ``log_softmax(logits / T)[token]`` for ``T = temperature``
   (``T = 1`` when greedy), i.e. under the temperature-scaled distribution *before* top-p
   truncation — exactly what the trainer recomputes from a forward pass with ``logits / T``
@@ -160,8 +161,22 @@ class HFEngine:
             seen.add(id(t))
         return missing
 
-    def _load_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    async def adopt_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                            version: int) -> dict[str, torch.Tensor]:
+        """``load_weights`` that keeps the given tensors as the new parameters instead of copying them.
+
+        The caller hands them over (it must never write them again). Tensors of the parameter's dtype
+        and device, contiguous, become ``param.data``; others are copied. Returns the replaced storage
+        of every adopted name (nothing runs on it any more; the caller may reuse it).
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._load_sync, named_tensors, version, True)
+
+    def _load_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                   adopt: bool = False) -> dict[str, torch.Tensor]:
         items = list(named_tensors)
+        replaced: dict[str, torch.Tensor] = {}
+        adopted: set[int] = set()
         for name, tensor in items:  # validate everything before touching anything
             param = self._params.get(name)
             if param is None:
@@ -171,8 +186,17 @@ class HFEngine:
                                  f"expected {tuple(param.shape)}")
         with self._step_lock, torch.no_grad():
             for name, tensor in items:
-                _copy_into(self._params[name], tensor)
+                param = self._params[name]
+                if (adopt and isinstance(param, torch.nn.Parameter) and tensor.dtype == param.dtype
+                        and tensor.device == param.device and tensor.is_contiguous()
+                        and id(param) not in adopted):  # the second name of a tied pair is copied
+                    adopted.add(id(param))
+                    replaced[name] = param.data
+                    param.data = tensor
+                else:
+                    _copy_into(param, tensor)
             self._version = version
+        return replaced
 
     # ------------------------------------------------------------------ scheduling
     def _new_seq(self, prompt_ids: list[int], params: SamplingParams, request_id: str, index: int,

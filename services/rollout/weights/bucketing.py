@@ -13,7 +13,9 @@ Invariants:
 - tensors are copied exactly once on each side (into the message on the client, into the
   staging buffer on the server); staging buffers come from a ``StagingPool`` that is reused
   from push to push (touching fresh pages costs far more than copying into warm ones), so the
-  tensors a ``Stager`` hands out are only valid until the next push starts.
+  tensors a ``Stager`` hands out are only valid until the next push starts — unless the engine
+  adopts them as its weights (``StagingPool.handoff``): then the pool never writes them again
+  and takes the engine's replaced buffers in exchange (double buffering, no copy into the engine).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import torch
 
 from services.proto_gen import retool_pb2 as pb
 
-DEFAULT_BUCKET_BYTES = 4 << 20
+# 2 MiB: a message then still fits in the caches it is copied through (join, gRPC, kernel, staging);
+# bench/weights.py on 2 cores measured 1.93 GB/s at 2 MiB vs 1.38 GB/s at 4 MiB (bench preset)
+DEFAULT_BUCKET_BYTES = 2 << 20
 MIN_BUCKET_BYTES = 1 << 10
 MAX_BUCKET_BYTES = 32 << 20
 # message size limit on both ends: one bucket plus the segment metadata
@@ -196,6 +200,7 @@ class StagingPool:
 
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
+        self._lent: set[int] = set()  # addresses of pool buffers an engine adopted as its weights
 
     def get(self, name: str, nbytes: int) -> np.ndarray:
         buf = self._buffers.get(name)
@@ -203,6 +208,23 @@ class StagingPool:
             buf = np.empty(nbytes, dtype=np.uint8)
             self._buffers[name] = buf
         return buf
+
+    def handoff(self, name: str, adopted: torch.Tensor, replaced: torch.Tensor) -> None:
+        """The engine now serves ``adopted`` as ``name`` and gave back ``replaced``.
+
+        If ``adopted`` is this pool's buffer, the pool stops using it (a later push must never write
+        the live weights); ``replaced`` becomes the buffer of ``name`` only if it is a buffer this
+        pool lent out earlier (the engine's original weights, e.g. mmapped files, are never reused).
+        """
+        buf = self._buffers.get(name)
+        if buf is None or buf.nbytes == 0 or adopted.data_ptr() != buf.ctypes.data:
+            return  # the engine adopted a copy (e.g. bool), the pool buffer stays free
+        self._lent.add(buf.ctypes.data)
+        del self._buffers[name]
+        ptr = replaced.data_ptr()
+        if ptr in self._lent and replaced.is_contiguous() and replaced.nbytes == buf.nbytes:
+            self._lent.discard(ptr)
+            self._buffers[name] = replaced.detach().reshape(-1).view(torch.uint8).numpy()
 
     @property
     def nbytes(self) -> int:

@@ -7,7 +7,10 @@ Invariants:
   mid-stream (their weights stay unchanged — the server applies only complete pushes) and a
   ``WeightPushError`` lists each target's outcome; targets that had already finished keep the
   new weights, so the caller retries the whole push (pushes are idempotent per version);
-- the token travels only in the gRPC metadata, never in logs or error messages.
+- the token travels only in the gRPC metadata, never in logs or error messages;
+- ``push_state_dict_shm``: the colocated transport (``shm.py``) for a replica on this machine under
+  this uid: RegisterShm (free segment + generation) -> one copy into the free segment -> CommitShm;
+  the mapping is cached per target and layout id (a restarted replica gets a new one).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from services.proto_gen import retool_pb2_grpc as pb_grpc
 from services.rollout.weights.bucketing import DEFAULT_BUCKET_BYTES, GRPC_BULK_OPTIONS, iter_buckets
 from services.rollout.weights.memory import keep_freed_buffers
 from services.rollout.weights.server import TOKEN_METADATA_KEY
+from services.rollout.weights.shm import ShmError, ShmMapping, boot_id
 
 CHANNEL_OPTIONS = GRPC_BULK_OPTIONS
 QUEUE_DEPTH = 4
@@ -139,6 +143,64 @@ def push_state_dict(named_tensors: Iterable[tuple[str, torch.Tensor]], targets: 
                     timeout_s: float | None = None) -> PushReport:
     """Synchronous ``push_state_dict_async`` (for code that is not inside an event loop)."""
     return asyncio.run(push_state_dict_async(named_tensors, targets, version, token, bucket_bytes, timeout_s))
+
+
+_SHM_MAPPINGS: dict[str, ShmMapping] = {}  # target -> mapping of its current segments
+
+
+def _shm_mapping(target: str, layout: pb.ShmLayout) -> ShmMapping:
+    mapping = _SHM_MAPPINGS.get(target)
+    if mapping is None or mapping.layout_id != layout.layout_id:
+        if mapping is not None:  # the replica restarted: its old segments are gone
+            mapping.close()
+            del _SHM_MAPPINGS[target]
+        mapping = ShmMapping(layout)
+        _SHM_MAPPINGS[target] = mapping
+    return mapping
+
+
+def close_shm_mappings() -> None:
+    """Unmap every cached replica segment (they are unmapped at exit anyway)."""
+    for mapping in _SHM_MAPPINGS.values():
+        mapping.close()
+    _SHM_MAPPINGS.clear()
+
+
+async def push_state_dict_shm_async(named_tensors: Iterable[tuple[str, torch.Tensor]], target: str,
+                                    version: int, token: str, timeout_s: float | None = None) -> PushReport:
+    """Push ``named_tensors`` to the replica at ``target`` through its shared-memory segments.
+
+    Only for a replica on this machine, under this uid, seeing the same ``/dev/shm``; anything else
+    fails with a ``WeightPushError`` before the commit (the weights stay unchanged).
+    """
+    if version < 0:
+        raise ValueError("version: must be >= 0")
+    metadata = ((TOKEN_METADATA_KEY, token),)
+    start = time.perf_counter()
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.WeightServiceStub(channel)
+            layout = await stub.RegisterShm(pb.ShmRequest(boot_id=boot_id()), metadata=metadata,
+                                            timeout=timeout_s)
+            mapping = _shm_mapping(target, layout)
+            tensors, nbytes = await asyncio.to_thread(mapping.write, layout.free_segment, named_tensors)
+            reply = await stub.CommitShm(
+                pb.ShmCommit(version=version, segment=layout.free_segment, generation=layout.generation),
+                metadata=metadata, timeout=timeout_s)
+    except (grpc.aio.AioRpcError, ShmError, OSError) as exc:
+        results = {target: _describe(exc)}
+        raise WeightPushError(f"shared-memory weight push of version {version} failed: "
+                              f"{json.dumps(results)}", results) from exc
+    seconds = time.perf_counter() - start
+    return PushReport(version, tensors, nbytes, seconds,
+                      {target: {"version": reply.version, "receive_seconds": reply.receive_seconds,
+                                "load_seconds": reply.load_seconds}})
+
+
+def push_state_dict_shm(named_tensors: Iterable[tuple[str, torch.Tensor]], target: str, version: int,
+                        token: str, timeout_s: float | None = None) -> PushReport:
+    """Synchronous ``push_state_dict_shm_async``."""
+    return asyncio.run(push_state_dict_shm_async(named_tensors, target, version, token, timeout_s))
 
 
 def iter_checkpoint(checkpoint_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,9 +6,16 @@ Invariants:
   logged;
 - a push is staged in CPU memory and handed to ``engine.load_weights`` only once it is complete
   (see ``bucketing.Stager``) and, when the engine can tell, covers every weight of the model; an
-  interrupted, malformed or incomplete push changes nothing;
+  interrupted, malformed or incomplete push changes nothing; a push cancelled after its last
+  message, while the engine loads it, is loaded completely (never half) before the next starts;
 - pushes are received and applied one at a time (a lock): two concurrent pushes never
-  interleave, and they can share one set of staging buffers, reused from push to push.
+  interleave, and they can share one set of staging buffers, reused from push to push;
+- an engine with ``adopt_weights`` takes the staged buffers as its new weights (no copy); the
+  pool then swaps in the engine's old buffers for the next push and never writes adopted ones;
+- colocated transport (``RegisterShm``/``CommitShm``, see ``shm.py``): same token, same lock; a
+  commit is accepted only for the segment reported free, at the generation it was reported at
+  (every weight change bumps the generation), so no served weight is ever in a writable segment;
+  the segments are unlinked when the server stops.
 
 Run standalone (a bare replica for the weight benchmark):
 ``RETOOL_WEIGHT_TOKEN=... python -m services.rollout.weights.server --model DIR --port P``.
@@ -20,11 +27,13 @@ import argparse
 import asyncio
 import hmac
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import torch
 
 from services.common.logging import get_logger
 from services.common.metrics import MetricsRegistry
@@ -38,6 +47,7 @@ from services.rollout.weights.bucketing import (
     decode_chunk,
 )
 from services.rollout.weights.memory import keep_freed_buffers
+from services.rollout.weights.shm import SHM_DIR, ShmError, ShmSegments, boot_id
 
 log = get_logger("rollout.weights")
 
@@ -61,7 +71,7 @@ class WeightServicer:
     """``retool.v1.WeightService``; registered with ``handler()`` so PushWeights decodes zero-copy."""
 
     def __init__(self, engine: Engine, token: str, metrics: WeightPushMetrics | None = None,
-                 max_push_bytes: int | None = None) -> None:
+                 max_push_bytes: int | None = None, shm_dir: str | os.PathLike[str] = SHM_DIR) -> None:
         if not token:
             raise ValueError("token: the weight-push server needs a non-empty token")
         self.engine = engine
@@ -70,6 +80,9 @@ class WeightServicer:
         self.max_push_bytes = max_push_bytes
         self._lock = asyncio.Lock()
         self._pool = StagingPool()
+        self.shm_dir = shm_dir
+        self._shm: ShmSegments | None = None  # created by the first RegisterShm
+        self._generation = 0  # bumped on every weight change (any transport)
 
     def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         for key, value in context.invocation_metadata() or ():
@@ -114,21 +127,151 @@ class WeightServicer:
             raise
         received = time.perf_counter()
         version = int(stager.version or 0)
+        # The load runs in a worker thread and cannot be stopped once started: it is shielded from
+        # a cancelled RPC and awaited before the push lock is released, so the pool has taken back
+        # exactly the buffers the engine gave up before the next push stages into it.
+        apply = asyncio.ensure_future(self._apply(stager.tensors(), version))
         try:
-            await self.engine.load_weights(stager.tensors(), version)
+            await asyncio.shield(apply)
+        except asyncio.CancelledError:
+            if not apply.done():
+                await asyncio.wait([apply])
+            if apply.cancelled() or apply.exception() is not None:  # refused: nothing changed
+                self._count("invalid")
+                raise
+            self._loaded(stager, version, received - (start or received), time.perf_counter() - received)
+            log.warning("the client went away while its push was loading; the push was applied",
+                        extra={"version": version})
+            raise
         except (KeyError, ValueError) as exc:  # the engine validates before it touches anything
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"load_weights: {exc}")
-        loaded = time.perf_counter()
+        receive_s, load_s = received - (start or received), time.perf_counter() - received
+        self._loaded(stager, version, receive_s, load_s)
+        return pb.PushReply(version=self.engine.version, tensors=len(stager.names()), bytes=stager.bytes,
+                            receive_seconds=receive_s, load_seconds=load_s)
+
+    def _loaded(self, stager: Stager, version: int, receive_s: float, load_s: float) -> None:
         self._count("ok")
         if self.metrics is not None:
             self.metrics.bytes.inc(stager.bytes)
-            self.metrics.receive.observe(received - (start or received))
+            self.metrics.receive.observe(receive_s)
         log.info("weights pushed", extra={"version": version, "bytes": stager.bytes,
-                                          "receive_s": round(received - (start or received), 3),
-                                          "load_s": round(loaded - received, 3)})
-        return pb.PushReply(version=self.engine.version, tensors=len(stager.names()), bytes=stager.bytes,
-                            receive_seconds=received - (start or received), load_seconds=loaded - received)
+                                          "receive_s": round(receive_s, 3), "load_s": round(load_s, 3)})
+
+    async def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load a complete push; with ``adopt_weights`` the staged buffers become the weights (no copy)
+        and the pool swaps in the buffers they replaced (see ``StagingPool.handoff``)."""
+        adopt = getattr(self.engine, "adopt_weights", None)
+        try:
+            if not callable(adopt):
+                await self.engine.load_weights(tensors, version)
+                return
+            replaced = await adopt(tensors, version)
+        finally:
+            self._generation += 1  # conservative: even a refused load counts as a change
+        given = dict(tensors)
+        for name, old in replaced.items():
+            self._pool.handoff(name, given[name], old)
+
+    # ------------------------------------------------------------------ colocated shared memory
+    def _weights(self) -> dict[str, torch.Tensor] | None:
+        """The engine's live weights by name (tied aliases included), or None if it cannot tell."""
+        model = getattr(self.engine, "model", None)
+        state_dict = getattr(model, "state_dict", None)
+        if not callable(state_dict) or not callable(getattr(self.engine, "adopt_weights", None)):
+            return None
+        return dict(state_dict(keep_vars=True))
+
+    async def _shm_ready(self, context: grpc.aio.ServicerContext
+                         ) -> tuple[ShmSegments, dict[str, torch.Tensor]]:
+        weights = self._weights()
+        if weights is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this engine cannot adopt weights from shared memory")
+        assert weights is not None
+        if self._shm is None:
+            try:
+                self._shm = await asyncio.to_thread(ShmSegments, weights, self.shm_dir)
+            except (OSError, ShmError) as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shared-memory segments: {exc}")
+            assert self._shm is not None
+            log.info("shared-memory weight segments created",
+                     extra={"paths": [str(p) for p in self._shm.paths], "bytes": self._shm.segment_bytes})
+        return self._shm, weights
+
+    async def RegisterShm(self, request: pb.ShmRequest, context: grpc.aio.ServicerContext) -> pb.ShmLayout:
+        if not self._authorized(context):
+            self._count("unauthenticated")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong weight-push token")
+        if request.boot_id and boot_id() and request.boot_id != boot_id():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "boot_id: the trainer runs on another machine; shared memory needs the same "
+                                "machine (use PushWeights)")
+        async with self._lock:
+            shm, weights = await self._shm_ready(context)
+            free = shm.free_segment(weights.values())
+            if free is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no shared-memory segment is free")
+            assert free is not None
+            return shm.layout(free, self._generation)
+
+    async def CommitShm(self, request: pb.ShmCommit, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        if not self._authorized(context):
+            self._count("unauthenticated")
+            log.warning("shm commit rejected: missing or wrong token", extra={"peer": context.peer()})
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong weight-push token")
+        async with self._lock:
+            shm = self._shm
+            if shm is None:
+                self._count("invalid")
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "no segments yet: call RegisterShm first")
+            assert shm is not None
+            weights = self._weights() or {}
+            free = shm.free_segment(weights.values())
+            error = None
+            if request.segment not in (0, 1):
+                error = (grpc.StatusCode.INVALID_ARGUMENT, f"segment: must be 0 or 1, got {request.segment}")
+            elif request.generation != self._generation:
+                error = (grpc.StatusCode.FAILED_PRECONDITION,
+                         f"generation: {request.generation} is stale (now {self._generation}): the weights "
+                         "changed since RegisterShm; register again and rewrite the free segment")
+            elif request.segment != free:
+                error = (grpc.StatusCode.FAILED_PRECONDITION,
+                         f"segment: {request.segment} is not the free segment ({free}); "
+                         "it holds served weights")
+            if error is not None:
+                self._count("invalid")
+                log.warning("shm commit rejected", extra={"error": error[1]})
+                await context.abort(*error)
+            start = time.perf_counter()
+            tensors = shm.tensors(request.segment)
+            apply = asyncio.ensure_future(self._apply(tensors, int(request.version)))
+            try:  # like PushWeights: a load that started is finished before the lock is released
+                await asyncio.shield(apply)
+            except asyncio.CancelledError:
+                if not apply.done():
+                    await asyncio.wait([apply])
+                raise
+            except (KeyError, ValueError) as exc:
+                self._count("invalid")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"load_weights: {exc}")
+            load_s = time.perf_counter() - start
+            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+            self._count("ok")
+            if self.metrics is not None:
+                self.metrics.bytes.inc(nbytes)
+            log.info("weights committed from shared memory",
+                     extra={"version": request.version, "segment": request.segment,
+                            "load_s": round(load_s, 3)})
+            return pb.PushReply(version=self.engine.version, tensors=len(tensors), bytes=nbytes,
+                                receive_seconds=0.0, load_seconds=load_s)
+
+    def close(self) -> None:
+        """Unlink the shared-memory segments (the served weights stay mapped and valid)."""
+        if self._shm is not None:
+            self._shm.unlink()
 
     async def GetVersion(self, request: pb.VersionRequest,
                          context: grpc.aio.ServicerContext) -> pb.VersionReply:
@@ -144,6 +287,12 @@ class WeightServicer:
             "GetVersion": grpc.unary_unary_rpc_method_handler(
                 self.GetVersion, request_deserializer=pb.VersionRequest.FromString,
                 response_serializer=pb.VersionReply.SerializeToString),
+            "RegisterShm": grpc.unary_unary_rpc_method_handler(
+                self.RegisterShm, request_deserializer=pb.ShmRequest.FromString,
+                response_serializer=pb.ShmLayout.SerializeToString),
+            "CommitShm": grpc.unary_unary_rpc_method_handler(
+                self.CommitShm, request_deserializer=pb.ShmCommit.FromString,
+                response_serializer=pb.PushReply.SerializeToString),
         })
 
 
@@ -156,7 +305,10 @@ class WeightServer:
     servicer: WeightServicer
 
     async def stop(self, grace: float | None = None) -> None:
-        await self.server.stop(grace)
+        try:
+            await self.server.stop(grace)
+        finally:
+            self.servicer.close()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -184,9 +336,13 @@ async def _serve(model: str, host: str, port: int, token: str) -> None:
     engine = HFEngine(model)
     ws = await start_weight_server(engine, host, port, token)
     print(f"weight server listening on {host}:{ws.port}", flush=True)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop cleanly: the shm segments are unlinked
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(ws.server.stop(None)))
     try:
         await ws.wait_for_termination()
     finally:
+        ws.servicer.close()
         await engine.shutdown()
 
 
