@@ -85,9 +85,15 @@ class RedisStream:
         )
         return [m for _, entries in (resp or []) for m in _messages(entries)]
 
-    async def read_own_pending(self, consumer: str, *, count: int = 100) -> list[StreamMessage]:
-        """Entries already delivered to ``consumer`` but not acknowledged (a restart under the same name)."""
-        resp = await self.client.xreadgroup(self._need_group(), consumer, {self.stream: "0"}, count=count)
+    async def read_own_pending(
+        self, consumer: str, *, count: int = 100, after: str = "0"
+    ) -> list[StreamMessage]:
+        """Entries delivered to ``consumer`` but not acknowledged (a restart under the same name).
+
+        Oldest first, from the entry after ``after``: page through a long pending list by
+        passing the last id returned, until an empty page.
+        """
+        resp = await self.client.xreadgroup(self._need_group(), consumer, {self.stream: after}, count=count)
         return [m for _, entries in (resp or []) for m in _messages(entries)]
 
     async def ack(self, *ids: str, delete: bool = False) -> int:

@@ -68,7 +68,7 @@ def build_samples(
     adv = grpo_outcome_advantages(torch.tensor(shaped, dtype=torch.float32), [r.group_id for r in rollouts],
                                   norm_by_std=norm_by_std)
     samples = []
-    for r, a in zip(rollouts, adv.tolist(), strict=True):
+    for r, a, score in zip(rollouts, adv.tolist(), shaped, strict=True):
         n_prompt = len(r.prompt_ids)
         ids = torch.tensor([*r.prompt_ids, *r.response_ids], dtype=torch.long)
         mask = torch.tensor([0.0] * n_prompt + [float(m) for m in r.response_loss_mask])
@@ -76,7 +76,7 @@ def build_samples(
         if r.rollout_logprobs is not None:
             rollout_lp = torch.tensor([0.0] * n_prompt + [float(x) for x in r.rollout_logprobs])
         samples.append(TrainSample(input_ids=ids, loss_mask=mask, advantages=mask * a,
-                                   rollout_logprobs=rollout_lp))
+                                   rollout_logprobs=rollout_lp, reward=score))
     resp_lens = [len(r.response_ids) for r in rollouts]
     metrics = {
         "critic/score/mean": sum(r.reward for r in rollouts) / len(rollouts),

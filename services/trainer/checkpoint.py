@@ -9,6 +9,9 @@ Invariants
 - Loading restores weights, optimizer state (Adam moments, step counts) and this rank's RNG
   states, and returns the saved step, so a resumed run continues exactly where it stopped.
 - Works unchanged with and without a process group (single process, tests).
+- Extra ``components`` (e.g. the PPO critic: ``{"critic": (model, optimizer)}``) are saved in the
+  same DCP state under their own key and listed in ``meta.json``; loading asks for exactly the
+  components it is given and names any the checkpoint lacks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,8 +97,22 @@ def latest_checkpoint(root: str | Path) -> CheckpointMeta | None:
     return found[-1] if found else None
 
 
+Components = Mapping[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+
+
+def _component_states(components: Components | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (module, optim) in (components or {}).items():
+        if name in ("model", "optim"):
+            raise ValueError(f"component name {name!r} is reserved for the actor")
+        module_sd, optim_sd = get_state_dict(module, optim)
+        out[name] = {"model": module_sd, "optim": optim_sd}
+    return out
+
+
 def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    keep_last: int = 2, extra: dict[str, Any] | None = None) -> Path:
+                    keep_last: int = 2, extra: dict[str, Any] | None = None,
+                    components: Components | None = None) -> Path:
     """Collective: every rank calls it with the same ``root`` (a filesystem all ranks share)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -113,13 +130,17 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+        dcp.save({"model": model_sd, "optim": optim_sd, **_component_states(components)},
+                 checkpoint_id=str(tmp / "state"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     _barrier()
     if rank == 0:
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "extra": extra or {}}))
-        if final.exists():
-            shutil.rmtree(final)
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "extra": extra or {},
+                                                   "components": sorted(components or {})}))
+        if final.exists():  # re-saving a step (a stop right after its save): never without a copy
+            old = base / f".tmp-step_{step:08d}.replaced"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
         tmp.rename(final)
         _prune(base, keep_last)
     _barrier()
@@ -135,19 +156,26 @@ def _prune(base: Path, keep_last: int) -> None:
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    restore_rng: bool = True) -> CheckpointMeta:
+                    restore_rng: bool = True, components: Components | None = None) -> CheckpointMeta:
     """Collective: restores model, optimizer and (optionally) this rank's RNG; returns the metadata."""
     ckpt = Path(path)
     meta_file = ckpt / "meta.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{ckpt} is not a complete checkpoint (no meta.json)")
     meta = json.loads(meta_file.read_text())
+    missing = sorted(set(components or {}) - set(meta.get("components", [])))
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} holds no {', '.join(missing)} state (saved components: "
+                         f"{meta.get('components', [])}); it was written by a run without it")
     rank, world = _rank_world()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd, **_component_states(components)}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(ckpt / "state"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, (module, optim) in (components or {}).items():
+        set_state_dict(module, optim, model_state_dict=state[name]["model"],
+                       optim_state_dict=state[name]["optim"])
     if restore_rng:
         rng_file = ckpt / "rng" / f"rank_{rank}.pt"
         if meta.get("world_size") != world or not rng_file.is_file():

@@ -50,6 +50,21 @@ class FSDPConfig(StrictModel):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
 
 
+class CriticConfig(StrictModel):
+    """The value model and GAE of ``algorithm: ppo`` (defaults: verl's critic / GAE defaults)."""
+
+    model_path: str | None = Field(None, description="backbone of the value model; None = trainer.model_path")
+    lr: float = Field(1e-5, gt=0)
+    cliprange_value: float = Field(0.5, gt=0, description="clip of v - v_old in the value loss")
+    vf_coef: float = Field(1.0, gt=0, description="value-loss coefficient")
+    grad_clip: float = Field(1.0, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    whiten_advantages: bool = Field(True, description="normalise GAE advantages over the batch's policy "
+                                    "tokens")
+    warmup_steps: int = Field(0, ge=0, description="first steps train only the critic (actor not updated)")
+
+
 class TrainerConfig(StrictModel):
     algorithm: Literal["grpo", "ppo"] = "grpo"
     model_path: str | None = None
@@ -69,11 +84,7 @@ class TrainerConfig(StrictModel):
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     norm_adv_by_std: bool = True
     entropy_coeff: float = Field(0.0, ge=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
-    clip_range_value: float = Field(0.5, gt=0)
     lr: float = Field(1e-6, gt=0)
-    critic_lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
@@ -86,6 +97,7 @@ class TrainerConfig(StrictModel):
     tis: TISConfig = Field(default_factory=TISConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="algorithm: ppo only")
     total_epochs: int = Field(1, ge=1)
     save_freq: int = Field(30, ge=1)
     test_freq: int = Field(5, ge=1)
@@ -110,6 +122,13 @@ class TrainerConfig(StrictModel):
                              f"({self.mini_batch_size})")
         if self.algorithm == "grpo" and self.group_size < 2:
             raise ValueError("group_size must be >= 2 for grpo (advantages are relative within a group)")
+        if self.algorithm != "ppo" and self.critic != CriticConfig():  # defaults (a dumped config) pass
+            raise ValueError(f"critic settings differ from the defaults but algorithm={self.algorithm!r}: "
+                             "only algorithm=ppo trains a critic")
+        if self.group_size < 2 and self.dynamic_sampling.enabled:
+            raise ValueError("dynamic_sampling.enabled drops groups whose rewards are all equal, which "
+                             "every group of group_size=1 is; set dynamic_sampling.enabled=false or "
+                             "group_size >= 2")
         if self.micro_batch_max_tokens < self.max_prompt_len + self.max_response_len and self.use_packing:
             raise ValueError(f"micro_batch_max_tokens ({self.micro_batch_max_tokens}) must hold one full "
                              f"sequence: max_prompt_len + max_response_len = "

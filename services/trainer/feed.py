@@ -9,6 +9,7 @@ Invariants:
   (same consumer name: its pending list) and used by the model state that lacks them, so
   no acknowledged group is lost and none is applied twice. Committing after every step
   instead keeps Redis small but loses the steps since the last checkpoint on a crash;
+- a batch that no step used is ``release``d: left pending and unseen, delivered again;
 - groups dropped as stale, as duplicates (same ``job_id``, at-least-once delivery) or by a
   filter (dynamic sampling) are acknowledged at once and counted by reason.
 """
@@ -86,14 +87,15 @@ class GroupReader:
         self._seen_order: deque[str] = deque()
         self._seen_capacity = seen_capacity
         self._uncommitted: list[str] = []
-        self._recovered = False
+        self._pending_after: str | None = "0"  # paging cursor over our own pending list; None: done
 
     async def _next_messages(self, count: int, block_ms: int) -> list[StreamMessage]:
-        if not self._recovered:  # after a restart: what this consumer held but never committed
-            self._recovered = True
-            own = await self.stream.read_own_pending(self.consumer, count=count)
+        if self._pending_after is not None:  # first what this consumer held but never committed
+            own = await self.stream.read_own_pending(self.consumer, count=count, after=self._pending_after)
             if own:
+                self._pending_after = own[-1].id
                 return own
+            self._pending_after = None
         return await self.stream.read(self.consumer, count=count, block_ms=block_ms)
 
     def _remember(self, job_id: str) -> None:
@@ -155,6 +157,18 @@ class GroupReader:
             await self.stream.ack(*drop, delete=True)
         self._uncommitted.extend(batch.message_ids)
         return batch
+
+    def release(self, batch: Batch) -> None:
+        """Give back a batch that no step used (a stop while it was being filled).
+
+        Its groups stay pending for this consumer in Redis and are neither acknowledged nor
+        remembered as seen, so the restarted trainer receives and uses them.
+        """
+        released = set(batch.message_ids)
+        self._uncommitted = [i for i in self._uncommitted if i not in released]
+        job_ids = {g.job_id for g in batch.groups}
+        self._seen -= job_ids
+        self._seen_order = deque(j for j in self._seen_order if j not in job_ids)
 
     async def commit(self) -> int:
         """Acknowledge every group handed out since the last commit (see the module docstring)."""

@@ -2,13 +2,15 @@
 
 Invariants: parallel sizes are validated (``TrainerConfig.validate_parallel``) before the process
 group or mesh is created; each decoder layer is its own FSDP unit and the actor (root) holds the
-embeddings, final norm and LM head; gradients are reduced in ``reduce_dtype`` (fp32 by default)
+embeddings, final norm and LM head (the critic's root: embeddings, norm; its value head is an fp32
+unit of its own, listed in ``fp32_units``); gradients are reduced in ``reduce_dtype`` (fp32 by default)
 and averaged over data-parallel ranks (``step.train_step`` scales the loss accordingly).
 """
 
 from __future__ import annotations
 
 import os
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -16,10 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from services.common.config import ConfigError
-from services.trainer.actor import Actor
 from services.trainer.config import FSDPConfig, TrainerConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_Model = TypeVar("_Model", bound=torch.nn.Module)
 
 
 def device_type() -> str:
@@ -39,14 +41,21 @@ def init_distributed(cfg: TrainerConfig) -> tuple[int, int, DeviceMesh]:
     return dist.get_rank(), dist.get_world_size(), mesh
 
 
-def apply_fsdp2(actor: Actor, fsdp: FSDPConfig, mesh: DeviceMesh | None = None) -> Actor:
-    """Shard every decoder layer, then the root; enable gradient checkpointing if asked."""
+def apply_fsdp2(actor: _Model, fsdp: FSDPConfig, mesh: DeviceMesh | None = None) -> _Model:
+    """Shard every decoder layer, then the root; enable gradient checkpointing if asked.
+
+    ``actor`` is an ``Actor`` or a ``critic.Critic`` (anything with ``lm`` and ``decoder_layers``);
+    modules in its optional ``fp32_units`` are sharded first with fp32 parameters and reduction.
+    """
     if fsdp.cpu_offload and device_type() == "cpu":
         raise ConfigError("fsdp.cpu_offload=true needs an accelerator (parameters already live on the CPU)")
     if fsdp.gradient_checkpointing:
         actor.lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[fsdp.param_dtype], reduce_dtype=_DTYPES[fsdp.reduce_dtype])
     offload: OffloadPolicy = CPUOffloadPolicy() if fsdp.cpu_offload else OffloadPolicy()
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for unit in getattr(actor, "fp32_units", ()):
+        fully_shard(unit, mesh=mesh, mp_policy=fp32, offload_policy=offload, reshard_after_forward=False)
     for layer in actor.decoder_layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=fsdp.reshard_after_forward)

@@ -4,9 +4,10 @@ Per step (rank 0 does all I/O; every rank trains):
 1. top up the prompts stream within admission control (``StalenessManager``);
 2. read ``batch_prompts`` scored groups (stale / duplicate / zero-variance groups dropped
    and counted), turn them into samples with group-relative advantages;
-3. ``train_step`` under FSDP (gloo on CPU, NCCL on GPU);
+3. ``train_step`` under FSDP (gloo on CPU, NCCL on GPU); with ``algorithm: ppo``,
+   ``ppo.ppo_train_step``: critic values, GAE advantages, critic update, actor update;
 4. gather the full weights, push them to every rollout replica over gRPC, bump the version;
-5. every ``save_freq`` steps (and on SIGTERM): checkpoint model, optimizer, RNG, step,
+5. every ``save_freq`` steps (and on SIGTERM): checkpoint model, optimizer (and the critic's), RNG, step,
    version, dataset cursor and seen job ids — then acknowledge the groups those steps used.
 
 Invariants: a resumed run continues from its last checkpoint with the same version, cursor
@@ -16,30 +17,54 @@ are delivered again; metrics go to the console, a JSONL file and Prometheus (ran
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from services.common.config import ConfigError, StrictModel
 from services.common.logging import get_logger
-from services.common.schemas import ChatMessage, Group, PromptJob, RolloutSampling
+from services.common.schemas import Group, RolloutSampling
+from services.data.prompt_jobs import load_prompt_jobs
 from services.trainer.batch import Rollout, build_samples
 from services.trainer.config import TrainerConfig
 from services.trainer.staleness import StalenessManager
+from services.trainer.trackers import Tracker, TrackingConfig, open_trackers
 
 log = get_logger("trainer")
 # Fault injection for crash/resume tests: every rank SIGKILLs itself right after this step,
 # before any checkpoint of it — a crash at an exact point, like an OOM kill.
 FAULT_KILL_AFTER_STEP = "RETOOL_FAULT_KILL_AFTER_STEP"
+
+
+def planned_steps(max_steps: int | None, prompts: int, epochs: int, batch_prompts: int) -> int:
+    """Steps the run makes: what the data holds over ``epochs``, cut to ``max_steps`` when set.
+
+    Like verl's ``total_training_steps``, ``max_steps`` never extends the run past its data:
+    the trainer would otherwise wait for groups of prompts it never admits.
+    """
+    data_steps = prompts * epochs // batch_prompts
+    if data_steps == 0:
+        raise ConfigError(
+            f"dataset: {prompts} prompts x total_epochs={epochs} do not fill one batch of "
+            f"batch_prompts={batch_prompts}"
+        )
+    if max_steps is None:
+        return data_steps
+    if max_steps > data_steps:
+        log.warning(
+            "max_steps=%d exceeds the %d steps that %d prompts x total_epochs=%d make at "
+            "batch_prompts=%d; the run ends at step %d",
+            max_steps, data_steps, prompts, epochs, batch_prompts, data_steps,
+        )
+    return min(max_steps, data_steps)
 
 
 class RunConfig(StrictModel):
@@ -50,10 +75,20 @@ class RunConfig(StrictModel):
     groups_stream: str = "retool:groups"
     consumer_group: str = "trainer"
     consumer: str = "trainer-0"
-    rollout_targets: list[str] = Field(default_factory=list, description="gRPC host:port of rollout replicas")
+    rollout_targets: list[str] = Field(
+        default_factory=list,
+        description="gRPC host:port of rollout replicas, or dns:host:port (every replica the name "
+        "resolves to, re-resolved on each push)",
+    )
     weight_token_env: str = Field("RETOOL_WEIGHT_TOKEN", description="NAME of the env var holding the token")
     weight_bucket_mb: int = Field(4, ge=1, le=64)
-    max_steps: int | None = Field(None, ge=1)
+    weight_transport: Literal["grpc", "shm"] = Field(
+        "grpc", description="shm: replicas on this machine (same uid) get the weights through shared "
+        "memory, committed over gRPC (several times faster than the gRPC stream)"
+    )
+    max_steps: int | None = Field(
+        None, ge=1, description="stop after this many steps (never past the data: see planned_steps)"
+    )
     sampling: RolloutSampling = Field(default_factory=RolloutSampling)
     max_turns: int | None = Field(None, ge=0)
     incorrect_reward: float = Field(
@@ -66,45 +101,22 @@ class RunConfig(StrictModel):
     val_dataset: str | None = Field(
         None, description="validation parquet (`retool data aime`); None = no validation"
     )
-    rollout_urls: list[str] = Field(default_factory=list, description="rollout HTTP URLs used for validation")
+    rollout_urls: list[str] = Field(
+        default_factory=list,
+        description="rollout HTTP URLs used for validation, or dns:http://host:port (every replica)",
+    )
     val_sampling: RolloutSampling = Field(default_factory=lambda: RolloutSampling(temperature=1.0, top_p=0.6))
     val_concurrency: int = Field(8, ge=1, description="validation prompts in flight")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="optional TensorBoard / Weights & Biases logging"
+    )
 
-    @model_validator(mode="after")
-    def _supported(self) -> RunConfig:
-        if self.trainer.algorithm != "grpo":
-            raise ValueError(
-                f"trainer.algorithm={self.trainer.algorithm!r}: the run loop trains with grpo only; "
-                "the critic-based ppo estimator (GAE and value loss exist in services/trainer/algo) "
-                "is not wired into it yet"
-            )
-        return self
+    @field_validator("rollout_targets", "rollout_urls")
+    @classmethod
+    def _entries(cls, entries: list[str], info: ValidationInfo) -> list[str]:
+        from services.trainer.discovery import check_entry
 
-
-def load_prompt_jobs(
-    path: str | Path, group_size: int, sampling: RolloutSampling, max_turns: int | None
-) -> list[PromptJob]:
-    """Prompt jobs from an RL parquet (``retool data dapo`` / ``aime`` output)."""
-    from services.data.io import iter_rows
-
-    jobs = []
-    for index, row in iter_rows(path):
-        messages = [ChatMessage(role=m["role"], content=m["content"]) for m in row["prompt"]]
-        extra = row.get("extra_info") or {}
-        jobs.append(
-            PromptJob(
-                job_id=str(extra.get("index") or index),
-                messages=messages,
-                ground_truth=str(row["reward_model"]["ground_truth"]),
-                data_source=row.get("data_source"),
-                n=group_size,
-                sampling=sampling,
-                max_turns=max_turns,
-            )
-        )
-    if not jobs:
-        raise ConfigError(f"dataset {path} has no rows")
-    return jobs
+        return [check_entry(e, url=info.field_name == "rollout_urls") for e in entries]
 
 
 def rollouts_of(groups: Sequence[Group], incorrect_reward: float) -> list[Rollout]:
@@ -126,28 +138,27 @@ def rollouts_of(groups: Sequence[Group], incorrect_reward: float) -> list[Rollou
 class MetricsSink:
     """Console + JSONL (+ Prometheus gauges when a port is given), rank 0 only."""
 
-    def __init__(self, path: str, port: int | None) -> None:
+    def __init__(self, path: str, port: int | None, max_staleness: int | None = None,
+                 trackers: list[Tracker] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.gauges: dict[str, Any] = {}
-        self.registry = None
-        if port is not None:
-            from prometheus_client import start_http_server
-
+        self.trackers = trackers or []
+        self.exporter = None
+        if port is not None:  # /metrics + /healthz, and the fixed series the alerts use
             from services.common.metrics import MetricsRegistry
+            from services.trainer.observability import TrainerExporter
 
-            self.registry = MetricsRegistry("trainer")
-            start_http_server(port, registry=self.registry.registry)
+            self.exporter = TrainerExporter(MetricsRegistry("trainer"), port)
+            if max_staleness is not None:
+                self.exporter.staleness_limit.set(max_staleness)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         with self.path.open("a") as fh:
             fh.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-        if self.registry is not None:
-            for key, value in metrics.items():
-                name = key.replace("/", "_").replace("@", "_at_").replace("-", "_").replace(".", "_")
-                if name not in self.gauges:
-                    self.gauges[name] = self.registry.gauge(name, key)
-                self.gauges[name].set(value)
+        if self.exporter is not None:
+            self.exporter.record(step, metrics)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         shown = {
             k: round(v, 4)
             for k, v in metrics.items()
@@ -157,12 +168,17 @@ class MetricsSink:
                 "actor/pg_loss",
                 "actor/pg_clipfrac",
                 "actor/grad_norm",
+                "critic/vf_loss",
                 "weights/push_seconds",
                 "perf/step_seconds",
                 "rollout/staleness_mean",
             )
         }
         log.info("step %d %s", step, shown)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class Trainer:
@@ -197,6 +213,23 @@ class Trainer:
         if self.world > 1:
             apply_fsdp2(self.actor, self.tcfg.fsdp, mesh)
         self.optimizer = build_optimizer(self.actor, self.tcfg)
+        self.critic: torch.nn.Module | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
+        if self.tcfg.algorithm == "ppo":
+            from services.trainer.critic import build_critic_optimizer, load_critic
+
+            ccfg = self.tcfg.critic
+            self.critic = load_critic(ccfg.model_path or self.tcfg.model_path, head_seed=self.tcfg.seed)
+            if self.world > 1:
+                apply_fsdp2(self.critic, self.tcfg.fsdp, mesh)
+            self.critic_optimizer = build_critic_optimizer(self.critic, ccfg.lr, self.tcfg.betas,
+                                                           self.tcfg.weight_decay)
+
+    def _components(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        """Checkpointed beside the actor (the PPO critic)."""
+        if self.critic is None or self.critic_optimizer is None:
+            return {}
+        return {"critic": (self.critic, self.critic_optimizer)}
 
     async def _setup_streams(self) -> None:
         from services.common.queue import RedisStream, connect
@@ -217,7 +250,7 @@ class Trainer:
         latest = latest_checkpoint(self.tcfg.checkpoint_dir)
         if latest is None:
             return 0
-        meta = load_checkpoint(latest.path, self.actor, self.optimizer)
+        meta = load_checkpoint(latest.path, self.actor, self.optimizer, components=self._components())
         if self.rank == 0:
             self.feeder.load_state_dict(meta.extra["feeder"])
             self.reader.load_state_dict(meta.extra["reader"])
@@ -227,7 +260,14 @@ class Trainer:
         return meta.step
 
     # ---- one step ---------------------------------------------------------------------------
-    async def _collect(self) -> tuple[list[Rollout], dict[str, float]]:
+    async def _collect(self) -> tuple[list[Rollout], dict[str, float]] | None:
+        """The step's groups, or None when a stop was requested before the batch was full.
+
+        On a stop the partial batch is released (left pending in Redis, not marked seen), so
+        the restarted trainer trains on it instead of dropping it as a duplicate.
+        """
+        from services.trainer.feed import Batch
+
         await self.feeder.top_up()
         keep = None
         if self.tcfg.dynamic_sampling.enabled:
@@ -236,41 +276,52 @@ class Trainer:
                 return len({t.reward for t in g.trajectories}) > 1
 
         deadline = time.monotonic() + self.cfg.group_wait_s
-        groups, dropped, staleness = [], {}, []
+        held = Batch([], [])
+        dropped: dict[str, int] = {}
         limit = self.tcfg.dynamic_sampling.max_groups_pulled
-        while len(groups) < self.tcfg.batch_prompts:
-            pulled = len(groups) + sum(dropped.values())
+        while len(held.groups) < self.tcfg.batch_prompts:
+            if self.stop_requested:
+                self.reader.release(held)
+                log.info("stop requested while waiting for groups; releasing %d held", len(held.groups))
+                return None
+            pulled = len(held.groups) + sum(dropped.values())
             if limit is not None and pulled >= limit:
                 raise RuntimeError(
-                    f"dynamic_sampling.max_groups_pulled={limit} reached with only {len(groups)} "
+                    f"dynamic_sampling.max_groups_pulled={limit} reached with only {len(held.groups)} "
                     f"of {self.tcfg.batch_prompts} usable groups (dropped: {dropped})"
                 )
             if time.monotonic() > deadline:
+                cause = (
+                    f"the dataset is used up ({self.feeder.cursor} prompt jobs over "
+                    f"total_epochs={self.tcfg.total_epochs}) and dropped groups left the batch short"
+                    if self.feeder.exhausted
+                    else f"is a rollout worker consuming {self.cfg.prompts_stream}?"
+                )
                 raise TimeoutError(
-                    f"no full batch within group_wait_s={self.cfg.group_wait_s}: got {len(groups)} "
-                    f"of {self.tcfg.batch_prompts} groups (is a rollout worker consuming "
-                    f"{self.cfg.prompts_stream}?)"
+                    f"no full batch within group_wait_s={self.cfg.group_wait_s}: got {len(held.groups)} "
+                    f"of {self.tcfg.batch_prompts} groups (dropped: {dropped}; {cause})"
                 )
             batch = await self.reader.next_batch(
-                self.tcfg.batch_prompts - len(groups), keep=keep, block_ms=1000, max_wait_rounds=5
+                self.tcfg.batch_prompts - len(held.groups), keep=keep, block_ms=1000, max_wait_rounds=1
             )
-            groups += batch.groups
-            staleness += batch.staleness
+            held.groups += batch.groups
+            held.message_ids += batch.message_ids
+            held.staleness += batch.staleness
             for reason, n in batch.dropped.items():
                 dropped[reason] = dropped.get(reason, 0) + n
             if batch.dropped:
                 await self.feeder.top_up()  # dropped groups leave admission room unused: refill
+        groups, staleness = held.groups, held.staleness
         stats = {f"rollout/dropped_{k}": float(v) for k, v in dropped.items()}
         stats["rollout/staleness_mean"] = sum(staleness) / len(staleness)
-        stats["rollout/turns_mean"] = sum(t.turns for g in groups for t in g.trajectories) / sum(
-            len(g.trajectories) for g in groups
-        )
-        stats["rollout/tool_calls_mean"] = sum(t.tool_calls for g in groups for t in g.trajectories) / sum(
-            len(g.trajectories) for g in groups
-        )
-        stats["rollout/accuracy"] = sum(bool(t.correct) for g in groups for t in g.trajectories) / sum(
-            len(g.trajectories) for g in groups
-        )
+        trajs = [t for g in groups for t in g.trajectories]
+        stats["rollout/turns_mean"] = sum(t.turns for t in trajs) / len(trajs)
+        stats["rollout/tool_calls_mean"] = sum(t.tool_calls for t in trajs) / len(trajs)
+        stats["rollout/accuracy"] = sum(bool(t.correct) for t in trajs) / len(trajs)
+        stats["rollout/tool_use_rate"] = sum(t.tool_calls > 0 for t in trajs) / len(trajs)
+        from services.trainer.observability import queue_stats
+
+        stats.update(await queue_stats(self.feeder.stream, self.reader.stream))
         self._last_job_ids = [g.job_id for g in groups]
         return rollouts_of(groups, self.cfg.incorrect_reward), stats
 
@@ -278,50 +329,19 @@ class Trainer:
         """``val_n`` samples per validation prompt through the rollout fleet (reference metric names)."""
         if not self.cfg.val_dataset or self.rank != 0:
             return {}
-        import httpx
+        from services.rollout.http_client import rollout_groups
+        from services.trainer.algo.validation_metrics import compute_validation_metrics, val_samples
+        from services.trainer.discovery import resolve
 
-        from services.trainer.algo.validation_metrics import ValSample, compute_validation_metrics
-
-        if not self.cfg.rollout_urls:
+        rollout_urls = resolve(self.cfg.rollout_urls)  # dns: entries -> one URL per replica
+        if not rollout_urls:
             raise ConfigError("rollout_urls: validation needs at least one rollout HTTP URL")
         jobs = load_prompt_jobs(
             self.cfg.val_dataset, self.tcfg.val_n, self.cfg.val_sampling, self.cfg.max_turns
         )
-        sem = asyncio.Semaphore(self.cfg.val_concurrency)
-        samples: list[ValSample] = []
-
-        async def one(i: int, job: PromptJob, client: httpx.AsyncClient) -> None:
-            url = self.cfg.rollout_urls[i % len(self.cfg.rollout_urls)]
-            body = {
-                "messages": [m.model_dump() for m in job.messages or []],
-                "ground_truth": job.ground_truth,
-                "data_source": job.data_source,
-                "n": job.n,
-                "sampling": job.sampling.model_dump(),
-                "max_turns": job.max_turns,
-            }
-            async with sem:
-                r = await client.post(
-                    f"{url}/v1/rollouts", json={k: v for k, v in body.items() if v is not None}
-                )
-            r.raise_for_status()
-            group = Group.model_validate(r.json())
-            for t in group.trajectories:
-                samples.append(
-                    ValSample(
-                        data_source=job.data_source or "val",
-                        problem_id=job.job_id,
-                        acc=float(bool(t.correct)),
-                        reward=float(t.reward or 0.0),
-                        pred=t.extracted,
-                        num_turns=t.turns,
-                    )
-                )
-
         start = time.perf_counter()
-        async with httpx.AsyncClient(timeout=None) as client:
-            await asyncio.gather(*(one(i, job, client) for i, job in enumerate(jobs)))
-        metrics = compute_validation_metrics(samples, seed=self.tcfg.seed)
+        groups = await rollout_groups(rollout_urls, jobs, concurrency=self.cfg.val_concurrency)
+        metrics = compute_validation_metrics(val_samples(jobs, groups), seed=self.tcfg.seed)
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         metrics["val/seconds"] = time.perf_counter() - start
         return metrics
@@ -339,18 +359,18 @@ class Trainer:
         weights = full_state_dict(self.actor)  # collective
         if self.rank != 0 or not self.cfg.rollout_targets:
             return {}
-        from services.rollout.weights.client import push_state_dict_async
+        from services.trainer.push import push_weights
 
         token = os.environ.get(self.cfg.weight_token_env)
         if not token:
             raise ConfigError(
                 f"weight_token_env: environment variable {self.cfg.weight_token_env} is not set"
             )
-        named = ((k.removeprefix("lm."), v) for k, v in weights.items())
-        report = await push_state_dict_async(
-            named, self.cfg.rollout_targets, version, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20
+        # dns: targets resolve to every replica on each push; failed attempts are retried and counted
+        return await push_weights(
+            weights, self.cfg.rollout_targets, version, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
+            transport=self.cfg.weight_transport,
         )
-        return {"weights/push_seconds": report.seconds, "weights/push_gbps": report.gbps}
 
     def _save(self, step: int) -> None:
         from services.trainer.checkpoint import save_checkpoint
@@ -366,6 +386,7 @@ class Trainer:
             self.optimizer,
             keep_last=self.tcfg.keep_last_checkpoints,
             extra=extra,
+            components=self._components(),
         )
 
     async def run(self) -> int:
@@ -377,7 +398,8 @@ class Trainer:
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
         if self.rank == 0:
             await self._setup_streams()
-            sink = MetricsSink(self.cfg.metrics_path, self.cfg.metrics_port)
+            sink = MetricsSink(self.cfg.metrics_path, self.cfg.metrics_port, self.tcfg.max_staleness,
+                               trackers=open_trackers(self.cfg.tracking, self.cfg.model_dump(mode="json")))
         else:
             self.feeder = self.reader = None  # type: ignore[assignment]
         step = self._resume()
@@ -385,8 +407,8 @@ class Trainer:
         settings = StepSettings.from_config(self.tcfg)
         dp = DPInfo(self.rank, self.world)
         total = self._broadcast(
-            self.cfg.max_steps
-            or (len(self.feeder.dataset) * self.tcfg.total_epochs // self.tcfg.batch_prompts)
+            planned_steps(self.cfg.max_steps, len(self.feeder.dataset), self.tcfg.total_epochs,
+                          self.tcfg.batch_prompts)
             if self.rank == 0
             else 0
         )
@@ -395,15 +417,30 @@ class Trainer:
             sink.write(0, val)
         while step < total:
             start = time.perf_counter()
-            payload = await self._collect() if self.rank == 0 else None
-            rollouts, stats = self._broadcast(payload)
+            payload = self._broadcast(await self._collect() if self.rank == 0 else None)
+            if payload is None:  # stopped while waiting for groups: checkpoint the last finished step
+                self._save(step)
+                if self.rank == 0:
+                    await self.reader.commit()
+                log.info("SIGTERM: checkpoint written at step %d, exiting", step)
+                break
+            rollouts, stats = payload
             samples, batch_metrics = build_samples(
                 rollouts,
                 norm_by_std=self.tcfg.norm_adv_by_std,
                 overlong=self.tcfg.overlong,
                 max_response_len=self.tcfg.max_response_len,
             )
-            step_metrics = train_step(self.actor, self.optimizer, samples, settings, dp)
+            if self.critic is not None and self.critic_optimizer is not None:
+                from services.trainer.ppo import CriticSettings, ppo_train_step
+
+                step_metrics = ppo_train_step(
+                    self.actor, self.optimizer, self.critic, self.critic_optimizer, samples, settings,
+                    CriticSettings.from_config(self.tcfg.critic), dp,
+                    update_actor=step >= self.tcfg.critic.warmup_steps,
+                )
+            else:
+                step_metrics = train_step(self.actor, self.optimizer, samples, settings, dp)
             version += 1
             push = await self._push(version)
             step += 1
@@ -436,6 +473,7 @@ class Trainer:
                 break
         bar.close()
         if self.rank == 0:
+            sink.close()
             await self.redis.aclose()
         if dist.is_initialized():
             dist.barrier()  # every rank is past its last collective before gloo/NCCL is torn down

@@ -33,6 +33,7 @@ class TrainSample:
     old_logprobs: torch.Tensor | None = None  # behaviour-policy log-probs as seen by the trainer
     rollout_logprobs: torch.Tensor | None = None  # log-probs reported by the rollout engine
     ref_logprobs: torch.Tensor | None = None  # reference-policy log-probs (only for the KL loss)
+    reward: float | None = None  # shaped outcome reward of the response (read by the PPO/GAE step)
 
     def __post_init__(self) -> None:
         n = self.input_ids.numel()

@@ -14,7 +14,7 @@ Invariants
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -89,6 +89,27 @@ def _collate(samples: Sequence[TrainSample], settings: StepSettings) -> MicroBat
     return pack(samples) if settings.use_packing else pad(samples, pad_to=settings.pad_to_length)
 
 
+def _minibatches(samples: Sequence[TrainSample], settings: StepSettings
+                 ) -> Iterator[tuple[int, Sequence[TrainSample], float]]:
+    """``(start, minibatch, its loss-mask token count)`` for each mini-batch of one pass, in order."""
+    mbs = settings.mini_batch_size
+    for start in range(0, len(samples), mbs):
+        minibatch = samples[start:start + mbs]
+        yield start, minibatch, float(sum(float(s.loss_mask.sum()) for s in minibatch))
+
+
+def _local_micro_batches(minibatch: Sequence[TrainSample], settings: StepSettings, dp: DPInfo
+                         ) -> Iterator[tuple[list[int], MicroBatch]]:
+    """This rank's micro-batches of ``minibatch``: (indices into it, collated samples).
+
+    Empty indices mark a placeholder (collated from ``minibatch[0]``): the caller runs its forward
+    (and a zero-weighted backward when training) and ignores the output, so every rank runs the
+    same number of passes and FSDP collectives line up.
+    """
+    for micro in _local_plan(minibatch, settings, dp):
+        yield micro, _collate([minibatch[i] for i in micro] or [minibatch[0]], settings)
+
+
 def _forward(actor: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return actor(mb.input_ids, mb.position_ids, mb.attention_mask)
 
@@ -108,16 +129,12 @@ def recompute_logprobs(actor: nn.Module, samples: Sequence[TrainSample], setting
     """Samples with ``old_logprobs`` from the current weights (computed for this rank's shard only;
     other ranks' samples are returned unchanged)."""
     out = list(samples)
-    mbs = settings.mini_batch_size
-    for start in range(0, len(samples), mbs):
-        minibatch = samples[start:start + mbs]
-        for micro in _local_plan(minibatch, settings, dp):
-            chosen = [minibatch[i] for i in micro] or [minibatch[0]]
-            mb = _collate(chosen, settings)
+    for start, minibatch, _ in _minibatches(samples, settings):
+        for micro, mb in _local_micro_batches(minibatch, settings, dp):
             lp, _ = _forward(actor, mb)
             if not micro:
                 continue
-            for i, values in zip(micro, _split_back(lp, mb, chosen), strict=True):
+            for i, values in zip(micro, _split_back(lp, mb, [minibatch[i] for i in micro]), strict=True):
                 out[start + i] = replace(minibatch[i], old_logprobs=values.detach().clone())
     return out
 
@@ -140,21 +157,14 @@ def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequ
     sums: dict[str, float] = {}
     count = 0
     grad_norms: list[float] = []
-    mbs = settings.mini_batch_size
     for _ in range(settings.ppo_epochs):
-        for start in range(0, len(samples), mbs):
-            minibatch = samples[start:start + mbs]
-            num_tokens = float(sum(float(s.loss_mask.sum()) for s in minibatch))
+        for _, minibatch, num_tokens in _minibatches(samples, settings):
             optimizer.zero_grad(set_to_none=True)
-            for micro in _local_plan(minibatch, settings, dp):
-                if not micro:  # keep FSDP collectives aligned: zero-weighted pass
-                    mb = _collate([minibatch[0]], settings)
-                    lp, _ = _forward(actor, mb)
+            for micro, mb in _local_micro_batches(minibatch, settings, dp):
+                lp, ent = _forward(actor, mb)
+                if not micro:  # placeholder: a zero-weighted pass keeps FSDP collectives aligned
                     (lp.sum() * 0.0).backward()
                     continue
-                chosen = [minibatch[i] for i in micro]
-                mb = _collate(chosen, settings)
-                lp, ent = _forward(actor, mb)
                 old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
                 if old is None:
                     raise ValueError("samples carry neither old_logprobs nor rollout_logprobs; enable "

@@ -118,3 +118,45 @@ async def test_groups_are_acknowledged_only_on_commit_and_survive_a_crash(redis_
     await again.commit()
     assert await stream.pending() == 0 and await stream.depth() == 0
     await client.aclose()
+
+
+async def test_a_long_pending_list_is_redelivered_in_full_after_a_restart(redis_server):
+    """More uncommitted groups than one read asks for (save_freq steps of them): none stays stuck."""
+    client = connect(redis_server.url)
+    stream = RedisStream(client, "groups", "trainer")
+    await stream.ensure_group()
+    for i in range(7):
+        await stream.add(_group(f"g{i}", 0, [1, -1]).to_msgpack())
+    first = GroupReader(stream, "trainer-0", StalenessManager(2, 10))
+    for _ in range(3):  # three steps' batches used, no checkpoint yet
+        await first.next_batch(2, block_ms=100)
+    again = GroupReader(stream, "trainer-0", StalenessManager(2, 10))  # restarted
+    got = []
+    for _ in range(4):
+        got += [g.job_id for g in (await again.next_batch(2, block_ms=100, max_wait_rounds=1)).groups]
+    assert got == [f"g{i}" for i in range(7)]
+    assert await again.commit() == 7 and await stream.pending() == 0
+    await client.aclose()
+
+
+async def test_a_released_batch_stays_pending_and_is_used_after_a_restart(redis_server):
+    client = connect(redis_server.url)
+    stream = RedisStream(client, "groups", "trainer")
+    await stream.ensure_group()
+    for i in range(3):
+        await stream.add(_group(f"g{i}", 0, [1, -1]).to_msgpack())
+    reader = GroupReader(stream, "trainer-0", StalenessManager(2, 10))
+    used = await reader.next_batch(2, block_ms=100)
+    partial = await reader.next_batch(2, block_ms=100, max_wait_rounds=1)  # only g2 there: a stop comes
+    assert [g.job_id for g in partial.groups] == ["g2"]
+    reader.release(partial)
+    state = reader.state_dict()  # what the checkpoint holds
+    assert state["seen"] == ["g0", "g1"]
+    assert await reader.commit() == 2  # the used batch only
+    assert await stream.pending() == 1
+    again = GroupReader(stream, "trainer-0", StalenessManager(2, 10))
+    again.load_state_dict(state)
+    redelivered = await again.next_batch(1, block_ms=100)
+    assert [g.job_id for g in redelivered.groups] == ["g2"] and not redelivered.dropped
+    assert [g.job_id for g in used.groups] == ["g0", "g1"]
+    await client.aclose()

@@ -31,14 +31,22 @@ pytestmark = pytest.mark.integration
 TOKEN = "trainer-loop-token-9c2"
 
 
-async def _produce(redis_url: str, stop: asyncio.Event, seen: list[str]) -> None:
+async def _produce(
+    redis_url: str, stop: asyncio.Event, seen: list[str], limit: list[int | None] | None = None
+) -> None:
+    """Answer every prompt job with a scored group; only ``limit[0]`` jobs in all when it is set."""
+    limit = limit if limit is not None else [None]
     client = connect(redis_url)
     prompts = RedisStream(client, "retool:prompts", "rollout")
     groups = RedisStream(client, "retool:groups")
     await prompts.ensure_group()
     rng = random.Random(0)
     while not stop.is_set():
-        for m in await prompts.read("scripted", count=4, block_ms=200):
+        count = 4 if limit[0] is None else min(4, limit[0] - len(seen))
+        if count <= 0:
+            await asyncio.sleep(0.1)
+            continue
+        for m in await prompts.read("scripted", count=count, block_ms=200):
             job = PromptJob.from_msgpack(m.data)
             seen.append(job.job_id)
             trajs = []
@@ -106,10 +114,11 @@ async def replica(tmp_path_factory, redis_server):
     model_dir = tiny_model_dir(tmp_path_factory)
     engine = HFEngine(model_dir)
     server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
-    stop, seen = asyncio.Event(), []
-    producer = asyncio.create_task(_produce(redis_server.url, stop, seen))
+    stop, seen, limit = asyncio.Event(), [], [None]
+    producer = asyncio.create_task(_produce(redis_server.url, stop, seen, limit))
     try:
-        yield {"engine": engine, "target": f"127.0.0.1:{server.port}", "model": model_dir, "seen": seen}
+        yield {"engine": engine, "target": f"127.0.0.1:{server.port}", "model": model_dir, "seen": seen,
+               "answer_limit": limit}
     finally:
         stop.set()
         await producer
@@ -189,17 +198,63 @@ async def test_trains_pushes_checkpoints_and_resumes(tmp_path, redis_server, rep
     assert AutoTokenizer.from_pretrained(out_dir).eos_token == "<|im_end|>"
 
 
+def _set(config, **trainer) -> None:
+    cfg = yaml.safe_load(config.read_text())
+    cfg["trainer"].update(trainer)
+    config.write_text(yaml.safe_dump(cfg))
+
+
 async def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path, redis_server, replica):
     config = _config(tmp_path, replica["model"], redis_server.url, replica["target"], 50)
-    config.write_text(config.read_text().replace("save_freq: 1", "save_freq: 100"))
-    proc = await _start_trainer(config, stdout=asyncio.subprocess.DEVNULL)
+    _set(config, save_freq=100, total_epochs=10)  # data for 60 steps: only the signal ends it before 50
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as out:
+        proc = await _start_trainer(config, stdout=out)
     metrics = tmp_path / "metrics.jsonl"
     for _ in range(600):
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
             break
         await asyncio.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    assert await asyncio.wait_for(proc.wait(), 120) == 0
+    assert await asyncio.wait_for(proc.wait(), 120) == 0, log.read_text()
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert 2 <= last < 50
+    assert f"SIGTERM: checkpoint written at step {last}" in log.read_text()
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [f"step_{last:08d}"]
+
+
+async def test_sigterm_while_waiting_for_groups_keeps_the_partial_batch_for_the_resumed_run(
+    tmp_path, redis_server, replica
+):
+    """Stopped with 1 of 2 groups in hand: it exits cleanly and the restarted trainer trains on that group."""
+    replica["answer_limit"][0] = 3  # step 1 gets its 2 groups; step 2 only one
+    config = _config(tmp_path, replica["model"], redis_server.url, replica["target"], 3)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["groups_log"] = str(tmp_path / "groups.jsonl")
+    config.write_text(yaml.safe_dump(cfg))
+    log = tmp_path / "trainer.log"
+    with log.open("wb") as out:
+        proc = await _start_trainer(config, stdout=out)
+    client = connect(redis_server.url)
+    groups = RedisStream(client, "retool:groups", "trainer")
+    metrics = tmp_path / "metrics.jsonl"
+    for _ in range(600):  # step 1 done and committed, the third group delivered to the trainer
+        started = metrics.exists() and metrics.read_text().strip() and len(replica["seen"]) == 3
+        if started and await groups.pending() == 1:
+            break
+        await asyncio.sleep(0.1)
+    held = replica["seen"][2]
+    proc.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 120) == 0, log.read_text()
+    assert "releasing 1 held" in log.read_text() and "checkpoint written at step 1" in log.read_text()
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_00000001"]
+    assert await groups.pending() == 1  # neither acknowledged nor lost
+
+    replica["answer_limit"][0] = None
+    rc, out = await _run_trainer(config)
+    assert rc == 0, out
+    used = [json.loads(x) for x in (tmp_path / "groups.jsonl").read_text().splitlines()]
+    assert [u["step"] for u in used] == [1, 2, 3]
+    assert held in used[1]["job_ids"]  # trained on at step 2, not dropped as a duplicate
+    assert await groups.pending() == 0
+    await client.aclose()

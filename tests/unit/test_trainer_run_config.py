@@ -47,11 +47,30 @@ def test_sequence_parallel_larger_than_world_is_refused_up_front(tmp_path):
     assert "sp_size" in out.stderr and "8" in out.stderr and "world size is 2" in out.stderr
 
 
-def test_unwired_ppo_is_refused_not_silently_trained_as_grpo(tmp_path):
-    out = _dry_run(tmp_path, "dataset: x.parquet\ntrainer: {algorithm: ppo}\n")
-    assert out.returncode == 2 and "trainer.algorithm='ppo'" in out.stderr
+def test_ppo_with_a_critic_is_accepted_and_critic_settings_without_it_are_refused(tmp_path):
+    out = _dry_run(tmp_path, "dataset: x.parquet\ntrainer: {algorithm: ppo, critic: {lam: 0.95}}\n")
+    assert out.returncode == 0, out.stderr
+    critic = json.loads(out.stdout)["trainer"]["critic"]
+    assert critic["lam"] == 0.95 and critic["lr"] == 1e-5 and critic["cliprange_value"] == 0.5
+    out = _dry_run(tmp_path, "dataset: x.parquet\ntrainer: {critic: {lam: 0.95}}\n")
+    assert out.returncode == 2 and "only algorithm=ppo trains a critic" in out.stderr
 
 
 def test_unknown_key_is_refused(tmp_path):
     out = _dry_run(tmp_path, "dataset: x.parquet\ntrainer: {learning_rate: 1}\n")
     assert out.returncode == 2 and "learning_rate" in out.stderr
+
+
+def test_planned_steps_never_outrun_the_data(caplog):
+    import pytest
+
+    from services.common.config import ConfigError
+    from services.trainer.loop import planned_steps
+
+    assert planned_steps(None, prompts=100, epochs=3, batch_prompts=32) == 9  # 300 jobs -> 9 full batches
+    assert planned_steps(5, prompts=100, epochs=3, batch_prompts=32) == 5
+    with caplog.at_level("WARNING", logger="trainer"):
+        assert planned_steps(50, prompts=12, epochs=1, batch_prompts=2) == 6
+    assert "max_steps=50 exceeds the 6 steps" in caplog.text
+    with pytest.raises(ConfigError, match="batch_prompts=32"):
+        planned_steps(10, prompts=10, epochs=3, batch_prompts=32)

@@ -8,8 +8,9 @@ replacement* (as verl), from a seeded generator. Per-problem values are averaged
 problems of a source. Names are ``val-core/<source>/<var>/<metric>`` for the core variable
 (``acc`` if present, else ``reward``) and metrics ``mean@N``, ``maj@N/mean``, ``best@N/mean`` at the
 largest N; everything else is ``val-aux/<source>/<var>/<metric>``. Tool turns are reported over all
-samples as ``val-aux/num_turns/{min,max,mean}``. Majority vote: the most frequent prediction
-(ties -> the one seen first) and the value of its first occurrence (verl ``calc_maj_val``).
+samples as ``val-aux/num_turns/{min,max,mean}``. Majority
+vote: the most frequent prediction (a response without an answer predicts ``[INVALID]``; ties
+-> the one seen first) and the value of its first occurrence (verl ``calc_maj_val``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
+from services.common.schemas import Group, PromptJob
+
 
 class ValSample(BaseModel):
     data_source: str
@@ -28,6 +31,20 @@ class ValSample(BaseModel):
     reward: float
     pred: str | None = None
     num_turns: int = 0
+
+
+NO_ANSWER = "[INVALID]"  # the pred of a response without an extractable answer (DAPO's compute_score)
+
+
+def val_samples(jobs: Sequence[PromptJob], groups: Sequence[Group]) -> list[ValSample]:
+    """One sample per response; ``groups[i]`` answers ``jobs[i]``; no reward = incorrect, reward 0."""
+    return [
+        ValSample(data_source=job.data_source or "val", problem_id=job.job_id, acc=float(bool(t.correct)),
+                  reward=float(t.reward or 0.0), pred=t.extracted if t.extracted is not None else NO_ANSWER,
+                  num_turns=t.turns)
+        for job, group in zip(jobs, groups, strict=True)
+        for t in group.trajectories
+    ]
 
 
 def bootstrap_ks(n: int) -> list[int]:

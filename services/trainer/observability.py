@@ -1,0 +1,146 @@
+"""The trainer's Prometheus endpoint (rank 0): ``GET /metrics`` and ``GET /healthz``.
+
+Invariants:
+- the fixed series that alerts and dashboards rely on exist from the moment the server starts
+  (step, last-step timestamp, policy version, staleness limit, weight-push failures, dropped
+  groups by reason, queue depth/lag), so a rule never silently evaluates an absent series;
+- per-step metrics (``actor/pg_loss`` ...) become gauges ``trainer_<key with / . - → _>``;
+- ``/healthz`` is 200 while the process serves; it reports the step and the seconds since
+  the last step (a stalled trainer is an alert, not a restart: a long validation is normal).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from services.common.metrics import MetricsRegistry
+
+DROP_REASONS = ("stale", "duplicate", "filtered", "malformed")
+QUEUE_KEYS = {
+    "queue/prompts_depth": ("prompts", "depth"),
+    "queue/groups_depth": ("groups", "depth"),
+    "queue/groups_lag": ("groups", "lag"),
+    "queue/groups_pending": ("groups", "pending"),
+}
+
+
+def gauge_name(key: str) -> str:
+    return key.replace("/", "_").replace("@", "_at_").replace("-", "_").replace(".", "_")
+
+
+class TrainerExporter:
+    """Metrics of one trainer process, served over HTTP when ``port`` is given."""
+
+    def __init__(self, registry: MetricsRegistry, port: int | None = None, host: str = "0.0.0.0") -> None:
+        r = self.registry = registry
+        self.step = r.gauge("step", "Training steps completed")
+        self.last_step = r.gauge("last_step_timestamp_seconds", "Unix time the last training step finished")
+        self.version = r.gauge("policy_version", "Policy version after the last step")
+        self.staleness_limit = r.gauge("max_staleness", "Configured max_staleness (policy versions)")
+        self.push_failures = r.counter(
+            "weight_push_failures_total", "Weight push attempts that failed (any replica)"
+        )
+        self.push_targets = r.gauge("weight_push_targets", "Rollout replicas the last push went to")
+        self.dropped = r.counter(
+            "dropped_groups_total", "Groups dropped before training, by reason", ("reason",)
+        )
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+        self.queue = r.gauge("queue_messages", "Redis stream entries, by stream and kind", ("stream", "kind"))
+        for stream, kind in QUEUE_KEYS.values():
+            self.queue.labels(stream, kind)
+        self.last_step.set(time.time())  # "stalled" counts from start-up until the first step
+        self._gauges: dict[str, Any] = {}
+        self._started = time.time()
+        self._server: ThreadingHTTPServer | None = None
+        if port is not None:
+            self._server = _serve(self, host, port)
+        global _CURRENT
+        _CURRENT = self
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_address[1] if self._server else None
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """One finished step's metrics (called by the metrics sink on rank 0)."""
+        for key, value in metrics.items():
+            if key.startswith("rollout/dropped_"):
+                self.dropped.labels(key.removeprefix("rollout/dropped_")).inc(value)
+            elif key in QUEUE_KEYS:
+                self.queue.labels(*QUEUE_KEYS[key]).set(value)
+            elif key == "policy/version":
+                self.version.set(value)
+                continue
+            elif key == "weights/push_targets":
+                self.push_targets.set(value)
+            name = gauge_name(key)
+            if name not in self._gauges:
+                self._gauges[name] = self.registry.gauge(name, key)
+            self._gauges[name].set(value)
+        self.step.set(step)
+        self.last_step.set(time.time())
+
+    def health(self) -> dict[str, object]:
+        return {
+            "status": "ok",
+            "step": int(self.step._value.get()),
+            "seconds_since_last_step": round(time.time() - self.last_step._value.get(), 3),
+            "uptime_s": round(time.time() - self._started, 3),
+        }
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+_CURRENT: TrainerExporter | None = None
+
+
+def note_push_failure() -> None:
+    """Count a failed weight push on this process's exporter (no-op where none runs: ranks > 0)."""
+    if _CURRENT is not None:
+        _CURRENT.push_failures.inc()
+
+
+def _serve(exporter: TrainerExporter, host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server API
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, ctype, code = exporter.registry.render(), CONTENT_TYPE_LATEST, 200
+            elif path == "/healthz":
+                body, ctype, code = json.dumps(exporter.health()).encode(), "application/json", 200
+            else:
+                body, ctype, code = b"not found: use /metrics or /healthz\n", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # scrapes every few seconds: keep logs quiet
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="trainer-metrics", daemon=True).start()
+    return server
+
+
+async def queue_stats(prompts: Any, groups: Any) -> dict[str, float]:
+    """Depth of both streams and the trainer group's lag/pending on ``groups`` (RedisStream)."""
+    return {
+        "queue/prompts_depth": float(await prompts.depth()),
+        "queue/groups_depth": float(await groups.depth()),
+        "queue/groups_lag": float(await groups.lag()),
+        "queue/groups_pending": float(await groups.pending()),
+    }
