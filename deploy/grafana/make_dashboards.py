@@ -99,6 +99,168 @@ DASHBOARDS = {
             ),
         ],
     ),
+    "training": dashboard(
+        "retool-training",
+        "ReTool / Training",
+        [
+            panel(
+                1,
+                "Reward",
+                {
+                    "score (mean)": "max(trainer_critic_score_mean)",
+                    "shaped": "max(trainer_critic_rewards_mean)",
+                },
+            ),
+            panel(
+                2, "Accuracy (training groups)", {"accuracy": "max(trainer_rollout_accuracy)"}, "percentunit"
+            ),
+            panel(3, "Policy loss", {"pg_loss": "max(trainer_actor_pg_loss)"}),
+            panel(
+                4,
+                "Clip fraction",
+                {
+                    "clipped": "max(trainer_actor_pg_clipfrac)",
+                    "dual-clip lower": "max(trainer_actor_pg_clipfrac_lower)",
+                },
+                "percentunit",
+            ),
+            panel(
+                5,
+                "KL (old → new policy)",
+                {"k1": "max(trainer_actor_ppo_kl)", "k3": "max(trainer_actor_ppo_kl_k3)"},
+            ),
+            panel(6, "Entropy", {"entropy": "max(trainer_actor_entropy)"}),
+            panel(7, "Grad norm", {"grad norm": "max(trainer_actor_grad_norm)"}),
+            panel(8, "Step time", {"step": "max(trainer_perf_step_seconds)"}, "s"),
+            panel(
+                9,
+                "Trained tokens per second",
+                {"tokens/s": "max(trainer_policy_tokens) / max(trainer_perf_step_seconds)"},
+            ),
+            panel(
+                10,
+                "Response length",
+                {"mean": "max(trainer_response_length_mean)", "max": "max(trainer_response_length_max)"},
+            ),
+            panel(
+                11,
+                "Tool use (training groups)",
+                {
+                    "turns": "max(trainer_rollout_turns_mean)",
+                    "tool calls": "max(trainer_rollout_tool_calls_mean)",
+                },
+            ),
+            panel(
+                12,
+                "Step / policy version",
+                {"step": "max(trainer_step)", "version": "max(trainer_policy_version)"},
+            ),
+        ],
+    ),
+    "rollout": dashboard(
+        "retool-rollout",
+        "ReTool / Rollout",
+        [
+            panel(
+                1,
+                "Generated tokens per second",
+                {"{{instance}}": "sum by (instance) (rate(rollout_generated_tokens_total[1m]))"},
+            ),
+            panel(
+                2,
+                "Requests in flight",
+                {
+                    "HTTP": "sum(rollout_requests_in_flight)",
+                    "queue jobs": "sum(rollout_worker_jobs_in_flight)",
+                },
+            ),
+            panel(
+                3,
+                "Turns per response",
+                {
+                    "mean": "sum(rate(rollout_turns_sum[5m])) / sum(rate(rollout_turns_count[5m]))",
+                    "p90": q("rollout_turns", 0.9),
+                },
+            ),
+            panel(
+                4,
+                "Tool calls per response",
+                {
+                    "{{outcome}}": "sum by (outcome) (rate(rollout_tool_calls_total[5m]))"
+                    " / scalar(sum(rate(rollout_trajectories_total[5m])))"
+                },
+            ),
+            panel(
+                5,
+                "Weight version",
+                {
+                    "{{instance}}": "max by (instance) (rollout_weight_version)",
+                    "trainer": "max(trainer_policy_version)",
+                },
+            ),
+            panel(
+                6,
+                "Weight push time",
+                {
+                    "receive p50": q("rollout_weight_push_receive_seconds", 0.5),
+                    "load p50": q("rollout_weight_load_seconds", 0.5),
+                    "trainer push (all replicas)": "max(trainer_weights_push_seconds)",
+                },
+                "s",
+            ),
+            panel(
+                7,
+                "Weight pushes by outcome",
+                {"{{outcome}}": "sum by (outcome) (increase(rollout_weight_pushes_total[10m]))"},
+            ),
+            panel(
+                8,
+                "Responses by finish reason",
+                {"{{reason}}": "sum by (reason) (rate(rollout_trajectories_total[5m]))"},
+                "reqps",
+            ),
+            panel(
+                9,
+                "Sandbox call latency p50 / p99",
+                {"p50": q("rollout_sandbox_seconds", 0.5), "p99": q("rollout_sandbox_seconds", 0.99)},
+                "s",
+            ),
+        ],
+    ),
+    "queues": dashboard(
+        "retool-queues",
+        "ReTool / Queues",
+        [
+            panel(
+                1, "Stream depth", {"{{stream}}": 'max by (stream) (trainer_queue_messages{kind="depth"})'}
+            ),
+            panel(
+                2,
+                "Groups: undelivered (lag) and unacknowledged (pending)",
+                {"{{kind}}": 'max by (kind) (trainer_queue_messages{stream="groups", kind=~"lag|pending"})'},
+            ),
+            panel(
+                3,
+                "Staleness (policy versions)",
+                {
+                    "trained groups (mean)": "max(trainer_rollout_staleness_mean)",
+                    "oldest replica": "max(trainer_policy_version) - min(rollout_weight_version)",
+                    "limit": "max(trainer_max_staleness)",
+                },
+            ),
+            panel(
+                4,
+                "Dropped groups",
+                {"{{reason}}": "sum by (reason) (increase(trainer_dropped_groups_total[5m]))"},
+            ),
+            panel(
+                5,
+                "Rollout queue jobs by outcome",
+                {"{{outcome}}": "sum by (outcome) (delta(rollout_worker_jobs[5m]))"},
+            ),
+            panel(6, "Sandbox queue", {"queued runs": "sum(sandbox_queue_depth)"}),
+        ],
+    ),
 }
 
 
