@@ -18,6 +18,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 def _register() -> None:
     from services import demo, model_cli
+    from services import eval as eval_cli
     from services.data import cli as data_cli
     from services.reward import cli as reward_cli
     from services.rollout import cli as rollout_cli
@@ -32,7 +33,9 @@ def _register() -> None:
     app.add_typer(sft_cli.app, name="sft", help="Multi-turn SFT on tool-use traces (FSDP), HF export.")
     app.add_typer(data_cli.app, name="data", help="Prepare DAPO-Math-17k, ReTool-SFT and AIME files.")
     app.add_typer(model_cli.app, name="model", help="Build tiny models and tokenizers locally.")
-    app.command("demo", help="Run the main job on an embedded default (no external services).")(demo.run)
+    app.command("eval", help="Evaluate a model: mean/maj/best/worst@k, turns, tool use.")(
+        eval_cli.eval_command)
+    app.command("demo", help="The main job: a tiny model learns by GRPO to use the code tool.")(demo.run)
 
 
 _register()

@@ -1,0 +1,297 @@
+"""``retool demo``: a tiny model learns, by RL, to use the code tool for multiplication.
+
+Phases (artifacts under ``out_dir``):
+1. data: disjoint train / held-out multiplication problems; SFT traces (``code_fraction`` solve by
+   ``<code>print(a*b)</code>``, the rest answer directly); RL and eval parquets;
+2. model: a ``demo``-preset model (digit-level tokenizer) built locally, then SFT (``run_sft``);
+3. services, each a separate process on loopback: a private Redis (``redis-server`` when installed,
+   else embedded fakeredis), sandbox, reward, rollout (Redis worker + gRPC weight server);
+4. evaluation of the SFT model on the held-out split; GRPO with the real trainer
+   (``retool trainer run``) fed through Redis, weights pushed over gRPC after every step;
+   evaluation again on the same prompts with the same sampling seeds;
+5. ``report.json``, ``metrics.jsonl`` (one record per SFT step, evaluation and GRPO step),
+   ``progress.png`` and one log per service.
+Invariants: every random choice is seeded from ``seed``; every child process is stopped on exit,
+Ctrl-C included; the demo fails loudly (non-zero exit) if any phase fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field
+
+from services.common.config import StrictModel
+from services.demo.task import TaskConfig, make_splits, rl_rows, write_parquet, write_sft
+
+TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
+
+
+class SFTPhase(StrictModel):
+    steps: int = Field(1200, ge=1)
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(3e-3, gt=0)
+
+
+class GRPOPhase(StrictModel):
+    steps: int = Field(30, ge=1)
+    batch_prompts: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)
+    lr: float = Field(5e-4, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    max_staleness: int = Field(0, ge=0, description="0 = strictly on-policy (reproducible)")
+    dynamic_sampling: bool = False
+
+
+class DemoConfig(StrictModel):
+    out_dir: str = "runs/demo"
+    seed: int = 0
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    model_size: str = "demo"
+    sft: SFTPhase = Field(default_factory=SFTPhase)
+    grpo: GRPOPhase = Field(default_factory=GRPOPhase)
+    max_tokens: int = Field(48, ge=8, description="response budget (generated + interpreter tokens)")
+    max_turns: int = Field(1, ge=0, description="tool calls per response")
+    eval_temperature: float = Field(1.0, ge=0)
+    queue: Literal["auto", "redis-server", "fakeredis"] = "auto"
+    redis_url: str | None = Field(None, description="use this Redis instead of starting a private one")
+    torch_threads: int = Field(2, ge=1)
+
+
+QUICK: dict[str, Any] = {  # the CI end-to-end test's shortened demo
+    "task": {"eval_prompts": 100, "rl_prompts": 600},
+    "sft": {"steps": 600},
+    "grpo": {"steps": 12},
+}
+
+
+def _stage(msg: str) -> None:
+    print(f"\n== {msg}", file=sys.stderr, flush=True)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+class Demo:
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.metrics = self.out / "metrics.jsonl"
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        with self.metrics.open("a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+    # ---- phases --------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        _stage("data: multiplication problems (train / held-out), SFT traces")
+        task = self.cfg.task.model_copy(update={"seed": self.cfg.seed})
+        train, held = make_splits(task)
+        data = self.out / "data"
+        write_sft(data / "sft.jsonl", train[: task.sft_samples], task)
+        self.rl_parquet = write_parquet(data / "rl.parquet", rl_rows(train[task.sft_samples:], "train"))
+        self.heldout_parquet = write_parquet(data / "heldout.parquet", rl_rows(held, "heldout"))
+        print(f"{task.sft_samples} SFT traces ({task.code_fraction:.0%} with code), "
+              f"{task.rl_prompts} RL prompts, {len(held)} held-out prompts", file=sys.stderr)
+
+    def build_and_sft(self) -> Path:
+        from services.rollout.model_init import init_model_dir
+        from services.trainer.sft.run import SFTConfig, run_sft
+
+        _stage(f"model: {self.cfg.model_size} preset, digit-level tokenizer; SFT")
+        init = init_model_dir(self.out / "model" / "init", self.cfg.model_size, seed=self.cfg.seed)  # type: ignore[arg-type]
+        sft_dir = self.out / "sft"
+        cfg = SFTConfig.model_validate({
+            "model_path": str(init),
+            "data": {"train_files": [str(self.out / "data" / "sft.jsonl")], "max_length": 256},
+            "epochs": 100,
+            "max_steps": self.cfg.sft.steps,
+            "batch_size": self.cfg.sft.batch_size,
+            "micro_batch_size": self.cfg.sft.batch_size,
+            "optim": {"lr": self.cfg.sft.lr, "warmup_ratio": 0.05, "min_lr_ratio": 0.1},
+            "fsdp": {"param_dtype": "fp32", "gradient_checkpointing": False},
+            "checkpoint": {"dir": str(sft_dir / "ckpt"), "save_freq": 10**6, "resume": "never"},
+            "output_dir": str(self.out / "model" / "sft"),
+            "metrics_path": str(sft_dir / "metrics.jsonl"),
+            "progress": True,
+            "seed": self.cfg.seed,
+        })
+        model = run_sft(cfg)
+        for m in _jsonl(sft_dir / "metrics.jsonl"):
+            if "loss" in m:
+                self._record({"phase": "sft", "step": m["step"], "loss": m["loss"]})
+        return Path(model)
+
+    def start_services(self, stack: contextlib.ExitStack, model: Path) -> None:
+        from services.common.local_stack import start_tool_services
+        from services.common.process import ServiceProcess, free_port
+        from services.common.redis_server import PrivateRedis
+
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        if self.cfg.redis_url:
+            self.redis_url = self.cfg.redis_url
+            _stage(f"services: queue = Redis at {self.redis_url} (configured)")
+        else:
+            redis = stack.enter_context(PrivateRedis(self.out / "redis", self.cfg.queue))
+            self.redis_url = redis.url
+            _stage(f"services: queue = private {redis.backend} at {redis.url}")
+        threads = {"OMP_NUM_THREADS": str(self.cfg.torch_threads)}
+        sandbox_url, reward_url = start_tool_services(stack, logs)
+        self.token = secrets.token_hex(16)
+        # streams of this run only: a configured, shared Redis may hold another run's entries
+        self.streams = {"prompts": f"retool:demo:{secrets.token_hex(4)}:prompts"}
+        self.streams["groups"] = self.streams["prompts"].replace(":prompts", ":groups")
+        grpc_port = free_port()
+        rollout = stack.enter_context(ServiceProcess(
+            ["rollout", "serve", "--model", str(model), "--grpc-port", str(grpc_port),
+             "--sandbox-url", sandbox_url, "--reward-url", reward_url, "--redis-url", self.redis_url,
+             "--weight-token-env", TOKEN_ENV,
+             "--set", "redis.block_ms=100", "--set", f"redis.concurrency={self.cfg.grpo.batch_prompts}",
+             "--set", "redis.consumer=demo-rollout-0", "--set", f"agent.max_turns={self.cfg.max_turns}",
+             "--set", f"redis.prompts_stream={self.streams['prompts']}",
+             "--set", f"redis.groups_stream={self.streams['groups']}"],
+            env={TOKEN_ENV: self.token, **threads}, log_path=logs / "rollout.log", startup_timeout_s=180))
+        print(f"rollout  {rollout.url} (weights gRPC 127.0.0.1:{grpc_port})", file=sys.stderr)
+        self.rollout_url = rollout.url
+        self.grpc_target = f"127.0.0.1:{grpc_port}"
+
+    def evaluate(self, when: str) -> dict[str, float]:
+        """One response per held-out prompt, same sampling seeds every time (``load_prompt_jobs``)."""
+        from services.common.schemas import RolloutSampling
+        from services.data.prompt_jobs import load_prompt_jobs
+        from services.eval.metrics import summarize
+        from services.eval.run import collect_groups
+
+        sampling = RolloutSampling(temperature=self.cfg.eval_temperature, max_tokens=self.cfg.max_tokens,
+                                   seed=self.cfg.seed + 17)
+        jobs = load_prompt_jobs(self.heldout_parquet, 1, sampling, self.cfg.max_turns)
+        _stage(f"eval ({when} RL): {len(jobs)} held-out prompts")
+        s = summarize(asyncio.run(collect_groups([self.rollout_url], jobs, 32, desc=f"eval {when}")))
+        out = {"accuracy": s.accuracy, "tool_use_rate": s.tool_use_rate, "mean_turns": s.num_turns.mean}
+        self._record({"phase": "eval", "when": when, **out, "n": s.responses})
+        print(json.dumps({when: out}), file=sys.stderr)
+        return out
+
+    def grpo(self, model: Path) -> int:
+        from tqdm import tqdm
+
+        g = self.cfg.grpo
+        grpo_dir = self.out / "grpo"
+        shutil.rmtree(grpo_dir, ignore_errors=True)  # a fresh run: the trainer would resume a checkpoint
+        grpo_dir.mkdir(parents=True)
+        metrics = grpo_dir / "metrics.jsonl"
+        n = g.batch_prompts * g.group_size
+        run = {
+            "dataset": str(self.rl_parquet),
+            "redis_url": self.redis_url,
+            "prompts_stream": self.streams["prompts"],
+            "groups_stream": self.streams["groups"],
+            "rollout_targets": [self.grpc_target],
+            "weight_token_env": TOKEN_ENV,
+            "weight_transport": "shm",  # trainer and rollout share this machine: shared memory + gRPC commit
+            "max_steps": g.steps,
+            "metrics_path": str(metrics),
+            "groups_log": str(grpo_dir / "groups.jsonl"),
+            "group_wait_s": 300,
+            "sampling": {"temperature": g.temperature, "max_tokens": self.cfg.max_tokens,
+                         "seed": self.cfg.seed},
+            "max_turns": self.cfg.max_turns,
+            "trainer": {
+                "model_path": str(model),
+                "batch_prompts": g.batch_prompts,
+                "group_size": g.group_size,
+                "mini_batch_size": n,
+                "max_prompt_len": 64,
+                "max_response_len": self.cfg.max_tokens,
+                "micro_batch_max_tokens": max(2048, 64 + self.cfg.max_tokens),
+                "save_freq": g.steps,
+                # enough passes over the RL prompts for every step (the trainer never runs past its data)
+                "total_epochs": -(-g.steps * g.batch_prompts // self.cfg.task.rl_prompts),
+                "keep_last_checkpoints": 1,
+                "checkpoint_dir": str(grpo_dir / "ckpt"),
+                "lr": g.lr,
+                "max_staleness": g.max_staleness,
+                "dynamic_sampling": {"enabled": g.dynamic_sampling},
+                "val_before_train": False,
+                "fsdp": {"param_dtype": "fp32", "gradient_checkpointing": False},
+                "seed": self.cfg.seed,
+            },
+        }
+        path = grpo_dir / "run.yaml"
+        path.write_text(yaml.safe_dump(run))
+        _stage(f"GRPO: {g.steps} steps × {g.batch_prompts} prompts × {g.group_size} samples "
+               f"(trainer process, Redis queue, gRPC weight push)")
+        env = {**os.environ, TOKEN_ENV: self.token, "OMP_NUM_THREADS": str(self.cfg.torch_threads)}
+        log = (self.out / "logs" / "trainer.log").open("ab")
+        cmd = [sys.executable, "-m", "services.cli", "trainer", "run", "--config", str(path)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        bar = tqdm(total=g.steps, desc="grpo", unit="step")
+        seen = 0
+        try:
+            while True:
+                rc = proc.poll()
+                rows = _jsonl(metrics)
+                for m in rows[seen:]:
+                    rec = {"phase": "grpo", "step": m["step"], "accuracy": m.get("rollout/accuracy"),
+                           "tool_use_rate": m.get("rollout/tool_use_rate"),
+                           "reward": m.get("critic/score/mean"), "step_seconds": m.get("perf/step_seconds")}
+                    self._record(rec)
+                    bar.update(1)
+                    bar.set_postfix(acc=f"{rec['accuracy']:.2f}", tool=f"{rec['tool_use_rate']:.2f}")
+                seen = len(rows)
+                if rc is not None:
+                    break
+                time.sleep(0.5)
+        finally:
+            bar.close()
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            log.close()
+        if rc != 0:
+            tail = (self.out / "logs" / "trainer.log").read_text()[-3000:]
+            raise RuntimeError(f"trainer exited with code {rc}; log tail:\n{tail}")
+        return seen
+
+    # ---- all -------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        from services.demo.report import plot
+
+        start = time.monotonic()
+        torch.set_num_threads(self.cfg.torch_threads)
+        torch.manual_seed(self.cfg.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics.unlink(missing_ok=True)
+        self.prepare_data()
+        model = self.build_and_sft()
+        with contextlib.ExitStack() as stack:
+            self.start_services(stack, model)
+            before = self.evaluate("before")
+            steps = self.grpo(model)
+            after = self.evaluate("after")
+        report = {"before": before, "after": after, "steps": steps,
+                  "wall_seconds": round(time.monotonic() - start, 1),
+                  "seed": self.cfg.seed, "config": self.cfg.model_dump()}
+        (self.out / "report.json").write_text(json.dumps(report, indent=2))
+        plot(self.metrics, self.out / "progress.png")
+        return report
