@@ -372,7 +372,8 @@ class Trainer:
             transport=self.cfg.weight_transport,
         )
 
-    def _save(self, step: int) -> None:
+    async def _checkpoint(self, step: int) -> None:
+        """Save ``step``, then acknowledge the groups the steps since the last save used."""
         from services.trainer.checkpoint import save_checkpoint
 
         extra = (
@@ -388,10 +389,13 @@ class Trainer:
             extra=extra,
             components=self._components(),
         )
+        if self.rank == 0:
+            await self.reader.commit()
 
     async def run(self) -> int:
         from tqdm import tqdm
 
+        from services.trainer.ppo import CriticSettings
         from services.trainer.step import DPInfo, StepSettings, train_step
 
         self._setup_model()
@@ -405,6 +409,7 @@ class Trainer:
         step = self._resume()
         version = self._broadcast(self.manager.version if self.rank == 0 else 0)
         settings = StepSettings.from_config(self.tcfg)
+        critic_settings = CriticSettings.from_config(self.tcfg.critic)
         dp = DPInfo(self.rank, self.world)
         total = self._broadcast(
             planned_steps(self.cfg.max_steps, len(self.feeder.dataset), self.tcfg.total_epochs,
@@ -419,9 +424,7 @@ class Trainer:
             start = time.perf_counter()
             payload = self._broadcast(await self._collect() if self.rank == 0 else None)
             if payload is None:  # stopped while waiting for groups: checkpoint the last finished step
-                self._save(step)
-                if self.rank == 0:
-                    await self.reader.commit()
+                await self._checkpoint(step)
                 log.info("SIGTERM: checkpoint written at step %d, exiting", step)
                 break
             rollouts, stats = payload
@@ -432,11 +435,11 @@ class Trainer:
                 max_response_len=self.tcfg.max_response_len,
             )
             if self.critic is not None and self.critic_optimizer is not None:
-                from services.trainer.ppo import CriticSettings, ppo_train_step
+                from services.trainer.ppo import ppo_train_step
 
                 step_metrics = ppo_train_step(
                     self.actor, self.optimizer, self.critic, self.critic_optimizer, samples, settings,
-                    CriticSettings.from_config(self.tcfg.critic), dp,
+                    critic_settings, dp,
                     update_actor=step >= self.tcfg.critic.warmup_steps,
                 )
             else:
@@ -465,9 +468,7 @@ class Trainer:
                 os.kill(os.getpid(), signal.SIGKILL)
             stop = self._broadcast(self.stop_requested)
             if step % self.tcfg.save_freq == 0 or stop or step >= total:
-                self._save(step)
-                if self.rank == 0:
-                    await self.reader.commit()
+                await self._checkpoint(step)
             if stop:
                 log.info("SIGTERM: checkpoint written at step %d, exiting", step)
                 break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from redis.asyncio import Redis
 
 from services.common.queue import RedisStream, connect
 from services.common.schemas import Group, PromptJob, Trajectory
@@ -48,6 +49,16 @@ def _group(job_id: str, version: int, rewards: list[float]) -> Group:
         max_version=version,
         job_policy_version=version,
     )
+
+
+async def _groups_stream(redis_url: str, count: int) -> tuple[Redis, RedisStream]:
+    """A fresh groups stream with a ``trainer`` consumer group holding groups g0..g{count-1}."""
+    client = connect(redis_url)
+    stream = RedisStream(client, "groups", "trainer")
+    await stream.ensure_group()
+    for i in range(count):
+        await stream.add(_group(f"g{i}", 0, [1, -1]).to_msgpack())
+    return client, stream
 
 
 async def test_feeder_never_admits_more_than_the_staleness_budget(redis_server):
@@ -96,11 +107,7 @@ async def test_stale_duplicate_and_filtered_groups_are_dropped_and_counted(redis
 
 
 async def test_groups_are_acknowledged_only_on_commit_and_survive_a_crash(redis_server):
-    client = connect(redis_server.url)
-    stream = RedisStream(client, "groups", "trainer")
-    await stream.ensure_group()
-    for i in range(3):
-        await stream.add(_group(f"g{i}", 0, [1, -1]).to_msgpack())
+    client, stream = await _groups_stream(redis_server.url, 3)
     first = GroupReader(stream, "trainer-0", StalenessManager(2, 1))
     batch = await first.next_batch(2, block_ms=100)
     assert [g.job_id for g in batch.groups] == ["g0", "g1"]
@@ -122,11 +129,7 @@ async def test_groups_are_acknowledged_only_on_commit_and_survive_a_crash(redis_
 
 async def test_a_long_pending_list_is_redelivered_in_full_after_a_restart(redis_server):
     """More uncommitted groups than one read asks for (save_freq steps of them): none stays stuck."""
-    client = connect(redis_server.url)
-    stream = RedisStream(client, "groups", "trainer")
-    await stream.ensure_group()
-    for i in range(7):
-        await stream.add(_group(f"g{i}", 0, [1, -1]).to_msgpack())
+    client, stream = await _groups_stream(redis_server.url, 7)
     first = GroupReader(stream, "trainer-0", StalenessManager(2, 10))
     for _ in range(3):  # three steps' batches used, no checkpoint yet
         await first.next_batch(2, block_ms=100)
@@ -140,11 +143,7 @@ async def test_a_long_pending_list_is_redelivered_in_full_after_a_restart(redis_
 
 
 async def test_a_released_batch_stays_pending_and_is_used_after_a_restart(redis_server):
-    client = connect(redis_server.url)
-    stream = RedisStream(client, "groups", "trainer")
-    await stream.ensure_group()
-    for i in range(3):
-        await stream.add(_group(f"g{i}", 0, [1, -1]).to_msgpack())
+    client, stream = await _groups_stream(redis_server.url, 3)
     reader = GroupReader(stream, "trainer-0", StalenessManager(2, 10))
     used = await reader.next_batch(2, block_ms=100)
     partial = await reader.next_batch(2, block_ms=100, max_wait_rounds=1)  # only g2 there: a stop comes

@@ -8,18 +8,16 @@ runs an empty (zero-weighted) micro-batch. The checkpoint test runs FSDP2 mixed 
 
 from __future__ import annotations
 
-import os
-import socket
-import sys
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.common.process import free_port
 from services.trainer.actor import Actor, tiny_qwen2
 from services.trainer.algo.policy_loss import ClipConfig
 from services.trainer.packing import TrainSample
 from services.trainer.step import DPInfo, StepSettings, train_step
+from tests.helpers.gloo import gloo_rank
 
 LENGTHS = [40, 9, 23, 17, 31, 12, 6, 28]
 
@@ -51,16 +49,12 @@ def make_optimizer(actor: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _worker(rank: int, world: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from services.trainer.config import FSDPConfig
     from services.trainer.fsdp import apply_fsdp2, full_state_dict
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         actor = apply_fsdp2(make_actor(), FSDPConfig(param_dtype="fp32", gradient_checkpointing=True), mesh)
         opt = make_optimizer(actor)
@@ -68,27 +62,13 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         state = full_state_dict(actor)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
-        dist.barrier()  # both ranks are done with every collective
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # Leave without gloo's C++ teardown: under load it sometimes aborts ("terminate called
-    # without an active exception") after all work is done, failing a correct run.
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fsdp_two_processes_match_single_process(tmp_path):
     out_path = str(tmp_path / "fsdp.pt")
-    mp.spawn(_worker, args=(2, _free_port(), out_path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
     got = torch.load(out_path)
 
     ref_actor = make_actor()
@@ -105,17 +85,13 @@ def test_fsdp_two_processes_match_single_process(tmp_path):
 
 
 def _ckpt_worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from services.trainer.config import FSDPConfig
     from services.trainer.fsdp import apply_fsdp2, full_state_dict
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_rank(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         fsdp_cfg = FSDPConfig(param_dtype="bf16", reduce_dtype="fp32", gradient_checkpointing=False)
         settings = StepSettings(mini_batch_size=4, micro_batch_max_tokens=64)
@@ -133,21 +109,13 @@ def _ckpt_worker(rank: int, world: int, port: int, root: str) -> None:
         resumed = full_state_dict(resumed_actor)
         if rank == 0:
             torch.save({"continued": continued, "resumed": resumed, "step": meta.step}, f"{root}/result.pt")
-        dist.barrier()  # both ranks are done with every collective
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    # Leave without gloo's C++ teardown: under load it sometimes aborts ("terminate called
-    # without an active exception") after all work is done, failing a correct run.
-    sys.stdout.flush()
-    os._exit(0)
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_fsdp_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     root = str(tmp_path / "ckpt")
-    mp.spawn(_ckpt_worker, args=(2, _free_port(), root), nprocs=2, join=True)
+    mp.spawn(_ckpt_worker, args=(2, free_port(), root), nprocs=2, join=True)
     got = torch.load(f"{root}/result.pt")
     assert got["step"] == 1
     for name, value in got["continued"].items():

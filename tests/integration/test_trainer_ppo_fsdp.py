@@ -8,20 +8,20 @@ backbone (the value head stays an fp32 unit).
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from services.common.process import free_port
 from services.trainer.actor import Actor, tiny_qwen2
 from services.trainer.critic import Critic
 from services.trainer.packing import TrainSample
 from services.trainer.ppo import CriticSettings, ppo_train_step
 from services.trainer.step import DPInfo, StepSettings
-from tests.integration.test_trainer_fsdp import _free_port, make_samples
+from tests.helpers.gloo import gloo_rank
+from tests.integration.test_trainer_fsdp import make_samples
 
 SETTINGS = StepSettings(mini_batch_size=4, micro_batch_max_tokens=48, ppo_epochs=2,
                         loss_agg_mode="seq-mean-token-mean")
@@ -43,23 +43,6 @@ def _adam(module: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-
-
-def _exit(rank: int) -> None:
-    import torch.distributed as dist
-
-    dist.barrier()  # both ranks are done with every collective
-    # Leave without gloo's C++ teardown (it sometimes aborts under load after all work is done).
-    sys.stdout.flush()
-    os._exit(0)
-
-
 def _sharded(world: int, param_dtype: str) -> Models:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -76,22 +59,21 @@ def _sharded(world: int, param_dtype: str) -> Models:
 
 
 def _step_worker(rank: int, world: int, port: int, out_path: str) -> None:
-    _init(rank, world, port)
     from services.trainer.fsdp import full_state_dict
 
-    actor, critic, aopt, copt = _sharded(world, "fp32")
-    metrics = ppo_train_step(actor, aopt, critic, copt, samples(), SETTINGS, CRITIC, DPInfo(rank, world))
-    state = {"actor": full_state_dict(actor), "critic": full_state_dict(critic)}
-    if rank == 0:
-        torch.save({**state, "metrics": metrics}, out_path)
-    _exit(rank)
+    with gloo_rank(rank, world, port):
+        actor, critic, aopt, copt = _sharded(world, "fp32")
+        metrics = ppo_train_step(actor, aopt, critic, copt, samples(), SETTINGS, CRITIC, DPInfo(rank, world))
+        state = {"actor": full_state_dict(actor), "critic": full_state_dict(critic)}
+        if rank == 0:
+            torch.save({**state, "metrics": metrics}, out_path)
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_ppo_step_on_two_ranks_matches_one_process(tmp_path):
     out_path = str(tmp_path / "ppo.pt")
-    mp.spawn(_step_worker, args=(2, _free_port(), out_path), nprocs=2, join=True)
+    mp.spawn(_step_worker, args=(2, free_port(), out_path), nprocs=2, join=True)
     got = torch.load(out_path)
 
     actor, critic, aopt, copt = make_models()
@@ -111,35 +93,34 @@ def test_ppo_step_on_two_ranks_matches_one_process(tmp_path):
 
 
 def _ckpt_worker(rank: int, world: int, port: int, root: str) -> None:
-    _init(rank, world, port)
     from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from services.trainer.fsdp import full_state_dict
 
-    settings = replace(SETTINGS, ppo_epochs=1, micro_batch_max_tokens=64)
-    dp = DPInfo(rank, world)
-    actor, critic, aopt, copt = _sharded(world, "bf16")
-    ppo_train_step(actor, aopt, critic, copt, samples(), settings, CRITIC, dp)
-    save_checkpoint(root, 1, actor, aopt, components={"critic": (critic, copt)})
-    ppo_train_step(actor, aopt, critic, copt, samples(), settings, CRITIC, dp)
-    continued = {"actor": full_state_dict(actor), "critic": full_state_dict(critic)}
+    with gloo_rank(rank, world, port):
+        settings = replace(SETTINGS, ppo_epochs=1, micro_batch_max_tokens=64)
+        dp = DPInfo(rank, world)
+        actor, critic, aopt, copt = _sharded(world, "bf16")
+        ppo_train_step(actor, aopt, critic, copt, samples(), settings, CRITIC, dp)
+        save_checkpoint(root, 1, actor, aopt, components={"critic": (critic, copt)})
+        ppo_train_step(actor, aopt, critic, copt, samples(), settings, CRITIC, dp)
+        continued = {"actor": full_state_dict(actor), "critic": full_state_dict(critic)}
 
-    actor2, critic2, aopt2, copt2 = _sharded(world, "bf16")
-    meta = load_checkpoint(latest_checkpoint(root).path, actor2, aopt2,
-                           components={"critic": (critic2, copt2)})
-    ppo_train_step(actor2, aopt2, critic2, copt2, samples(), settings, CRITIC, dp)
-    resumed = {"actor": full_state_dict(actor2), "critic": full_state_dict(critic2)}
-    head_dtype = critic2.value_head.weight.dtype  # master weights: fp32
-    if rank == 0:
-        torch.save({"continued": continued, "resumed": resumed, "step": meta.step, "head_dtype": head_dtype},
-                   f"{root}/result.pt")
-    _exit(rank)
+        actor2, critic2, aopt2, copt2 = _sharded(world, "bf16")
+        meta = load_checkpoint(latest_checkpoint(root).path, actor2, aopt2,
+                               components={"critic": (critic2, copt2)})
+        ppo_train_step(actor2, aopt2, critic2, copt2, samples(), settings, CRITIC, dp)
+        resumed = {"actor": full_state_dict(actor2), "critic": full_state_dict(critic2)}
+        head_dtype = critic2.value_head.weight.dtype  # master weights: fp32
+        if rank == 0:
+            result = {"continued": continued, "resumed": resumed, "step": meta.step, "head_dtype": head_dtype}
+            torch.save(result, f"{root}/result.pt")
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_ppo_checkpoint_resume_restores_the_critic_exactly(tmp_path):
     root = str(tmp_path / "ckpt")
-    mp.spawn(_ckpt_worker, args=(2, _free_port(), root), nprocs=2, join=True)
+    mp.spawn(_ckpt_worker, args=(2, free_port(), root), nprocs=2, join=True)
     got = torch.load(f"{root}/result.pt")
     assert got["step"] == 1 and got["head_dtype"] == torch.float32
     for name in ("actor", "critic"):
