@@ -168,7 +168,7 @@ class WeightPusher:
         same_dtype = [t for t in targets if self._dtypes.get(t, "") in ("", dtype_str)]
         current = [t for t in targets if self._acked.get(t) == (enc.lineage, version)]
         base = (enc.lineage, delta.base_version) if delta is not None else None
-        delta_targets = [t for t in same_dtype if t not in current and self._acked.get(t) == base]
+        delta_targets = [t for t in same_dtype if base and t not in current and self._acked.get(t) == base]
         full_targets = [t for t in targets if t not in current and t not in delta_targets]
         out = _Outcome(skipped=len(current))
         stale = await self._deltas(delta, delta_targets, version, out) if delta is not None else []

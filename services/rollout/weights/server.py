@@ -234,7 +234,7 @@ class WeightServicer:
         (delta pushes) go to ``patch_weights``, or are applied to copies of the served tensors that
         ``load_weights`` gets in full. The lineage is set again only once the load succeeded."""
         patches = patches or []
-        self._lineage = ""
+        lineage, self._lineage = self._lineage, ""
         patch = getattr(self.engine, "patch_weights", None)
         adopt = getattr(self.engine, "adopt_weights", None)
         try:
@@ -246,6 +246,9 @@ class WeightServicer:
                 tensors = tensors + self._rebuilt(patches)
                 await self.engine.load_weights(tensors, version)
                 replaced = self._keep_served(tensors, full=stager is None or not stager.delta)
+        except (KeyError, ValueError):  # refused by the engine's validation: nothing changed
+            self._lineage = lineage
+            raise
         finally:
             self._generation += 1  # conservative: even a refused load counts as a change
         given = dict(tensors)
