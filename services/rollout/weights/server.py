@@ -446,10 +446,10 @@ async def start_weight_server(engine: Engine, host: str, port: int, token: str, 
     return WeightServer(server, bound, servicer)
 
 
-async def _serve(model: str, host: str, port: int, token: str) -> None:
+async def _serve(model: str, host: str, port: int, token: str, dtype: str = "float32") -> None:
     from services.rollout.engine.hf import HFEngine
 
-    engine = HFEngine(model)
+    engine = HFEngine(model, dtype=dtype)
     ws = await start_weight_server(engine, host, port, token)
     print(f"weight server listening on {host}:{ws.port}", flush=True)
     loop = asyncio.get_running_loop()
@@ -469,11 +469,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-env", default="RETOOL_WEIGHT_TOKEN", help="env var holding the token")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="serving dtype of the engine")
     args = parser.parse_args(argv)
     token = os.environ.get(args.token_env, "").strip()
     if not token:
         parser.error(f"--token-env: the env var {args.token_env} is empty")
-    asyncio.run(_serve(args.model, args.host, args.port, token))
+    asyncio.run(_serve(args.model, args.host, args.port, token, args.dtype))
 
 
 if __name__ == "__main__":
