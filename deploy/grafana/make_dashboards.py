@@ -225,6 +225,40 @@ DASHBOARDS = {
                 {"p50": q("rollout_sandbox_seconds", 0.5), "p99": q("rollout_sandbox_seconds", 0.99)},
                 "s",
             ),
+            panel(
+                10,
+                "Weight push: bytes on the wire (delta pushes send only changed elements)",
+                {
+                    "sent, all replicas": "max(trainer_weights_push_wire_bytes)",
+                    "a full push, one replica": "max(trainer_weights_push_full_bytes)",
+                },
+                "bytes",
+            ),
+            panel(
+                11,
+                "Weight push: changed elements (density)",
+                {"density": "max(trainer_weights_push_density)"},
+                "percentunit",
+            ),
+            panel(
+                12,
+                "Weight push phases (trainer)",
+                {
+                    "encode": "max(trainer_weights_push_encode_seconds)",
+                    "wire": "max(trainer_weights_push_wire_seconds)",
+                    "load": "max(trainer_weights_push_load_seconds)",
+                    "total": "max(trainer_weights_push_seconds)",
+                },
+                "s",
+            ),
+            panel(
+                13,
+                "Weight pushes applied by kind; full-push fallbacks",
+                {
+                    "{{kind}}": "sum by (kind) (increase(rollout_weight_pushes_applied_total[10m]))",
+                    "delta refused, full sent": "max(trainer_weights_push_fallbacks)",
+                },
+            ),
         ],
     ),
     "queues": dashboard(

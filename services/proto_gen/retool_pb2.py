@@ -24,31 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fservices/proto_gen/retool.proto\x12\tretool.v1\"\x85\x01\n\rTensorSegment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x61ta_offset\x18\x07 \x01(\x04\"\x92\x01\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x08segments\x18\x02 \x03(\x0b\x32\x18.retool.v1.TensorSegment\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x15\n\rtotal_tensors\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\"k\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07tensors\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0freceive_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"\x10\n\x0eVersionRequest\"\x1f\n\x0cVersionReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\"\x1d\n\nShmRequest\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\"h\n\tShmTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"\x95\x01\n\tShmLayout\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\r\n\x05paths\x18\x02 \x03(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.retool.v1.ShmTensor\x12\x14\n\x0c\x66ree_segment\x18\x05 \x01(\r\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"A\n\tShmCommit\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07segment\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x32\x85\x02\n\rWeightService\x12=\n\x0bPushWeights\x12\x16.retool.v1.WeightChunk\x1a\x14.retool.v1.PushReply(\x01\x12@\n\nGetVersion\x12\x19.retool.v1.VersionRequest\x1a\x17.retool.v1.VersionReply\x12:\n\x0bRegisterShm\x12\x15.retool.v1.ShmRequest\x1a\x14.retool.v1.ShmLayout\x12\x37\n\tCommitShm\x12\x14.retool.v1.ShmCommit\x1a\x14.retool.v1.PushReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fservices/proto_gen/retool.proto\x12\tretool.v1\"\xda\x01\n\rTensorSegment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0e\n\x06length\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x61ta_offset\x18\x07 \x01(\x04\x12+\n\x08\x65ncoding\x18\x08 \x01(\x0e\x32\x19.retool.v1.TensorEncoding\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x0f\n\x07\x63hanged\x18\n \x01(\x04\"\xc8\x01\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x08segments\x18\x02 \x03(\x0b\x32\x18.retool.v1.TensorSegment\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x15\n\rtotal_tensors\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\r\n\x05\x64\x65lta\x18\x07 \x01(\x08\x12\x14\n\x0c\x62\x61se_version\x18\x08 \x01(\x04\x12\x0f\n\x07lineage\x18\t \x01(\t\"\x8b\x01\n\tPushReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07tensors\x18\x02 \x01(\r\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x17\n\x0freceive_seconds\x18\x04 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x06 \x01(\x08\x12\x0f\n\x07\x63hanged\x18\x07 \x01(\x04\"\x10\n\x0eVersionRequest\"G\n\x0cVersionReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x15\n\rserving_dtype\x18\x02 \x01(\t\x12\x0f\n\x07lineage\x18\x03 \x01(\t\"\x1d\n\nShmRequest\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\"h\n\tShmTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0f\n\x07\x61liases\x18\x06 \x03(\t\"\x95\x01\n\tShmLayout\x12\x11\n\tlayout_id\x18\x01 \x01(\t\x12\r\n\x05paths\x18\x02 \x03(\t\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12%\n\x07tensors\x18\x04 \x03(\x0b\x32\x14.retool.v1.ShmTensor\x12\x14\n\x0c\x66ree_segment\x18\x05 \x01(\r\x12\x12\n\ngeneration\x18\x06 \x01(\x04\"A\n\tShmCommit\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0f\n\x07segment\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04*&\n\x0eTensorEncoding\x12\x08\n\x04\x46ULL\x10\x00\x12\n\n\x06SPARSE\x10\x01\x32\x85\x02\n\rWeightService\x12=\n\x0bPushWeights\x12\x16.retool.v1.WeightChunk\x1a\x14.retool.v1.PushReply(\x01\x12@\n\nGetVersion\x12\x19.retool.v1.VersionRequest\x1a\x17.retool.v1.VersionReply\x12:\n\x0bRegisterShm\x12\x15.retool.v1.ShmRequest\x1a\x14.retool.v1.ShmLayout\x12\x37\n\tCommitShm\x12\x14.retool.v1.ShmCommit\x1a\x14.retool.v1.PushReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'services.proto_gen.retool_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TENSORENCODING']._serialized_start=1059
+  _globals['_TENSORENCODING']._serialized_end=1097
   _globals['_TENSORSEGMENT']._serialized_start=47
-  _globals['_TENSORSEGMENT']._serialized_end=180
-  _globals['_WEIGHTCHUNK']._serialized_start=183
-  _globals['_WEIGHTCHUNK']._serialized_end=329
-  _globals['_PUSHREPLY']._serialized_start=331
-  _globals['_PUSHREPLY']._serialized_end=438
-  _globals['_VERSIONREQUEST']._serialized_start=440
-  _globals['_VERSIONREQUEST']._serialized_end=456
-  _globals['_VERSIONREPLY']._serialized_start=458
-  _globals['_VERSIONREPLY']._serialized_end=489
-  _globals['_SHMREQUEST']._serialized_start=491
-  _globals['_SHMREQUEST']._serialized_end=520
-  _globals['_SHMTENSOR']._serialized_start=522
-  _globals['_SHMTENSOR']._serialized_end=626
-  _globals['_SHMLAYOUT']._serialized_start=629
-  _globals['_SHMLAYOUT']._serialized_end=778
-  _globals['_SHMCOMMIT']._serialized_start=780
-  _globals['_SHMCOMMIT']._serialized_end=845
-  _globals['_WEIGHTSERVICE']._serialized_start=848
-  _globals['_WEIGHTSERVICE']._serialized_end=1109
+  _globals['_TENSORSEGMENT']._serialized_end=265
+  _globals['_WEIGHTCHUNK']._serialized_start=268
+  _globals['_WEIGHTCHUNK']._serialized_end=468
+  _globals['_PUSHREPLY']._serialized_start=471
+  _globals['_PUSHREPLY']._serialized_end=610
+  _globals['_VERSIONREQUEST']._serialized_start=612
+  _globals['_VERSIONREQUEST']._serialized_end=628
+  _globals['_VERSIONREPLY']._serialized_start=630
+  _globals['_VERSIONREPLY']._serialized_end=701
+  _globals['_SHMREQUEST']._serialized_start=703
+  _globals['_SHMREQUEST']._serialized_end=732
+  _globals['_SHMTENSOR']._serialized_start=734
+  _globals['_SHMTENSOR']._serialized_end=838
+  _globals['_SHMLAYOUT']._serialized_start=841
+  _globals['_SHMLAYOUT']._serialized_end=990
+  _globals['_SHMCOMMIT']._serialized_start=992
+  _globals['_SHMCOMMIT']._serialized_end=1057
+  _globals['_WEIGHTSERVICE']._serialized_start=1100
+  _globals['_WEIGHTSERVICE']._serialized_end=1361
 # @@protoc_insertion_point(module_scope)

@@ -60,6 +60,11 @@ class TimedEngine:
     ) -> dict[str, torch.Tensor]:
         return await self._timed(self.inner.adopt_weights(named_tensors, version), version)  # type: ignore[attr-defined]
 
+    async def _timed_patch(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], patches: Iterable[Any], version: int
+    ) -> dict[str, torch.Tensor]:
+        return await self._timed(self.inner.patch_weights(named_tensors, patches, version), version)  # type: ignore[attr-defined]
+
     async def _timed(self, load: Awaitable[T], version: int) -> T:
         start = time.perf_counter()
         result = await load
@@ -75,6 +80,8 @@ class TimedEngine:
         value = getattr(self.inner, name)
         if name == "adopt_weights":  # zero-copy load (HFEngine), timed like load_weights
             return self._timed_adopt
+        if name == "patch_weights":  # delta push applied in place (HFEngine), timed like load_weights
+            return self._timed_patch
         return value
 
 

@@ -86,6 +86,14 @@ class RunConfig(StrictModel):
         "grpc", description="shm: replicas on this machine (same uid) get the weights through shared "
         "memory, committed over gRPC (several times faster than the gRPC stream)"
     )
+    weight_delta: Literal["auto", "off"] = Field(
+        "auto", description="auto: a gRPC push sends a replica that holds the previous version only the "
+        "elements that changed in its serving dtype (full pushes where it cannot apply one, or when "
+        "changes are dense); off: always full pushes"
+    )
+    weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the weights are pushed in; auto: each replica's serving dtype"
+    )
     max_steps: int | None = Field(
         None, ge=1, description="stop after this many steps (never past the data: see planned_steps)"
     )
@@ -359,18 +367,21 @@ class Trainer:
         weights = full_state_dict(self.actor)  # collective
         if self.rank != 0 or not self.cfg.rollout_targets:
             return {}
-        from services.trainer.push import push_weights
+        from services.trainer.push import WeightPusher
 
-        token = os.environ.get(self.cfg.weight_token_env)
-        if not token:
-            raise ConfigError(
-                f"weight_token_env: environment variable {self.cfg.weight_token_env} is not set"
+        if getattr(self, "_pusher", None) is None:
+            token = os.environ.get(self.cfg.weight_token_env)
+            if not token:
+                raise ConfigError(
+                    f"weight_token_env: environment variable {self.cfg.weight_token_env} is not set"
+                )
+            # one per run: it keeps the last pushed weights (deltas) and what each replica acknowledged
+            self._pusher = WeightPusher(
+                self.cfg.rollout_targets, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
+                transport=self.cfg.weight_transport, delta=self.cfg.weight_delta, dtype=self.cfg.weight_dtype,
             )
         # dns: targets resolve to every replica on each push; failed attempts are retried and counted
-        return await push_weights(
-            weights, self.cfg.rollout_targets, version, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
-            transport=self.cfg.weight_transport,
-        )
+        return await self._pusher.push(weights, version)
 
     async def _checkpoint(self, step: int) -> None:
         """Save ``step``, then acknowledge the groups the steps since the last save used."""

@@ -1,25 +1,36 @@
-"""Weight push from the trainer to every rollout replica, with discovery and retries.
+"""Weight push from the trainer to every rollout replica, with discovery, deltas and retries.
 
 Invariants:
 - the replica set is resolved again on every attempt (``discovery.resolve``): a ``dns:`` entry
   follows ``docker compose --scale rollout=N`` without a restart;
+- weights travel in the replicas' serving dtype (``dtype="auto"``: what GetVersion reports, e.g.
+  bf16 for vLLM on GPU, fp32 for the CPU HF engine); the trainer's fp32 master weights stay here;
+- ``delta="auto"`` (gRPC): the ``DeltaEncoder`` keeps the weights of the last version exactly as
+  pushed (its shadow) and each push sends a replica only the elements that changed, when that
+  replica acknowledged the previous version of this pusher's lineage; any other replica (new,
+  restarted, missed a push, another dtype) gets a full push, and so does one that refuses the
+  delta (FAILED_PRECONDITION: the per-replica fallback). After any chain of deltas a replica
+  holds bit for bit the full push of the same version. When a delta saves little (dense changes,
+  e.g. fp32 serving), the next ``AUTO_FULL_PUSHES`` pushes are full without computing one;
 - ``transport="shm"`` (replicas on this machine, same uid) writes the weights into each replica's
-  free shared-memory segment and commits over gRPC (services/rollout/weights/shm.py); the
-  replicas are pushed concurrently and the push fails as a whole if any replica fails, as with
-  ``grpc``;
+  free shared-memory segment and commits over gRPC (services/rollout/weights/shm.py);
 - a replica applies a push only once all of it arrived (atomic per replica), so a failed
-  attempt is retried whole, to every replica, up to ``attempts`` times: replicas that already
-  took this version load the same weights under the same version again (harmless); every
-  failed attempt is counted (``trainer_weight_push_failures_total``) before the last failure
-  is raised (the step fails, the trainer exits and resumes from its last checkpoint).
+  attempt is retried whole, up to ``attempts`` times: replicas that acknowledged this version
+  already are skipped; every failed attempt is counted (``trainer_weight_push_failures_total``)
+  before the last failure is raised (the step fails, the trainer exits and resumes from its last
+  checkpoint);
+- per push it reports bytes on the wire, the full-push bytes, density, encode / wire / load
+  seconds and how many replicas got a delta or a full push (``weights/push_*`` metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Mapping
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -27,7 +38,219 @@ from services.common.logging import get_logger
 from services.trainer.discovery import DiscoveryError, resolve
 from services.trainer.observability import note_push_failure
 
+if TYPE_CHECKING:
+    from services.rollout.weights.bucketing import PushKind
+    from services.rollout.weights.client import PushReport
+    from services.rollout.weights.delta import DeltaEncoder, EncodedDelta
+
 log = get_logger("trainer.push")
+
+DeltaMode = Literal["auto", "off"]
+# auto: a delta whose payload exceeds this fraction of a full push is not worth its encoding ...
+AUTO_DENSE_FRACTION = 0.5
+# ... and the next this many pushes are full (no encoding); then deltas are tried again
+AUTO_FULL_PUSHES = 10
+
+
+@dataclass
+class _Outcome:
+    wire_bytes: int = 0
+    delta_targets: int = 0
+    full_targets: int = 0
+    fallbacks: int = 0
+    skipped: int = 0
+    wire_seconds: float = 0.0
+    load_seconds: float = 0.0
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def add(self, report: PushReport, targets: list[str], delta: bool) -> None:
+        replies = report.replies
+        self.wire_bytes += report.bytes * len(targets)
+        for t in targets:
+            r = replies.get(t, {})
+            self.wire_seconds = max(self.wire_seconds, float(r.get("receive_seconds", 0.0)))
+            self.load_seconds = max(self.load_seconds, float(r.get("load_seconds", 0.0)))
+        if delta:
+            self.delta_targets += len(targets)
+        else:
+            self.full_targets += len(targets)
+
+
+class WeightPusher:
+    """The trainer's weight push: one per run (it remembers what each replica acknowledged)."""
+
+    def __init__(self, entries: list[str], token: str, *, bucket_bytes: int,
+                 transport: Literal["grpc", "shm"] = "grpc", delta: DeltaMode = "auto", dtype: str = "auto",
+                 attempts: int = 3, backoff_s: float = 2.0, encode_threads: int = 2) -> None:
+        self.entries, self.token, self.bucket_bytes = entries, token, bucket_bytes
+        self.transport, self.delta_mode, self.dtype = transport, delta, dtype
+        self.attempts, self.backoff_s, self.encode_threads = attempts, backoff_s, encode_threads
+        self.encoder: DeltaEncoder | None = None  # the shadow, in the serving dtype
+        self._acked: dict[str, tuple[str, int]] = {}  # target -> (lineage, version) it acknowledged
+        self._dtypes: dict[str, str] = {}  # target -> serving dtype it reported
+        self._last: EncodedDelta | None = None  # the delta of the latest version (reused by retries)
+        self._full_left = 0  # auto: full pushes left before deltas are tried again
+
+    async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Push ``weights`` (trainer names; an ``lm.`` prefix is dropped) to every resolved replica."""
+        from services.rollout.weights.client import WeightPushError
+
+        last: Exception | None = None
+        named = [(k.removeprefix("lm."), v) for k, v in weights.items()]
+        for attempt in range(1, self.attempts + 1):
+            try:
+                targets = resolve(self.entries)
+                if self.transport == "shm":
+                    seconds, gbps = await _push_shm(named, targets, version, self.token)
+                    self._acked.clear()  # a commit clears the replicas' lineage
+                    return {"weights/push_seconds": seconds, "weights/push_gbps": gbps,
+                            "weights/push_targets": float(len(targets))}
+                return await self._push_grpc(named, targets, version)
+            except (WeightPushError, DiscoveryError, OSError) as exc:
+                last = exc
+                note_push_failure()
+                log.warning("weight push failed", extra={"version": version, "attempt": attempt,
+                                                         "of": self.attempts, "error": str(exc)[:1000]})
+                if attempt < self.attempts:
+                    await asyncio.sleep(self.backoff_s * attempt)
+        assert last is not None
+        raise last
+
+    async def _serving_dtypes(self, targets: list[str]) -> None:
+        from services.rollout.weights.client import WeightPushError, get_replica_state
+
+        unknown = [t for t in targets if t not in self._dtypes]
+        states = await asyncio.gather(*(get_replica_state(t) for t in unknown), return_exceptions=True)
+        failed = {t: str(s)[:300] for t, s in zip(unknown, states, strict=True)
+                  if isinstance(s, BaseException)}
+        if failed:
+            raise WeightPushError(f"GetVersion failed: {json.dumps(failed)}", failed)
+        for t, s in zip(unknown, states, strict=True):
+            self._dtypes[t] = s.serving_dtype or ""  # type: ignore[union-attr]
+
+    def _dtype(self, targets: list[str], master: torch.dtype) -> torch.dtype:
+        from services.rollout.weights.bucketing import DTYPES
+
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        reported = [self._dtypes[t] for t in targets if self._dtypes.get(t) in DTYPES]
+        return DTYPES[max(set(reported), key=reported.count)] if reported else master
+
+    async def _push_grpc(self, named: list[tuple[str, torch.Tensor]], targets: list[str],
+                         version: int) -> dict[str, float]:
+        from services.rollout.weights.bucketing import PushKind
+        from services.rollout.weights.delta import DeltaEncoder
+
+        start = time.perf_counter()
+        await self._serving_dtypes(targets)
+        master = named[0][1].dtype if named else torch.float32
+        dtype = self._dtype(targets, master)
+        if self.encoder is None or self.encoder.dtype != dtype:
+            if self.encoder is not None:
+                self.encoder.close()
+            self.encoder = DeltaEncoder(dtype, threads=self.encode_threads)
+            self._last = None
+        enc = self.encoder
+        encode_s = 0.0
+        if enc.version != version:  # not a retry of the same version
+            t0 = time.perf_counter()
+            compare = self.delta_mode == "auto" and self._full_left == 0
+            self._last = enc.update(named, version, compare=compare)
+            self._full_left = max(0, self._full_left - 1)
+            saved_little = self._last is not None and (
+                self._last.payload_bytes > AUTO_DENSE_FRACTION * self._last.full_bytes)
+            if saved_little:
+                self._full_left = AUTO_FULL_PUSHES  # a delta that saves little: full pushes for a while
+            encode_s = time.perf_counter() - t0
+        delta = self._last
+        full_bytes = sum(t.numel() * t.element_size() for _, t in enc.full())
+        dtype_str = str(dtype).removeprefix("torch.")
+        same_dtype = [t for t in targets if self._dtypes.get(t, "") in ("", dtype_str)]
+        current = [t for t in targets if self._acked.get(t) == (enc.lineage, version)]
+        base = (enc.lineage, delta.base_version) if delta is not None else None
+        delta_targets = [t for t in same_dtype if base and t not in current and self._acked.get(t) == base]
+        full_targets = [t for t in targets if t not in current and t not in delta_targets]
+        out = _Outcome(skipped=len(current))
+        stale = await self._deltas(delta, delta_targets, version, out) if delta is not None else []
+        full_targets += stale
+        if full_targets:
+            await self._full(full_targets, version, dtype, named, out, PushKind(lineage=enc.lineage))
+        seconds = time.perf_counter() - start
+        density = delta.density if delta is not None and out.delta_targets else 1.0
+        return {
+            "weights/push_seconds": seconds,
+            "weights/push_gbps": full_bytes / 1e9 / seconds if seconds > 0 else 0.0,
+            "weights/push_targets": float(len(targets)),
+            "weights/push_delta_targets": float(out.delta_targets),
+            "weights/push_full_targets": float(out.full_targets),
+            "weights/push_fallbacks": float(out.fallbacks),
+            "weights/push_wire_bytes": float(out.wire_bytes),
+            "weights/push_full_bytes": float(full_bytes),
+            "weights/push_density": density,
+            "weights/push_encode_seconds": encode_s,
+            "weights/push_wire_seconds": out.wire_seconds,
+            "weights/push_load_seconds": out.load_seconds,
+        }
+
+    async def _deltas(self, delta: EncodedDelta, targets: list[str], version: int,
+                      out: _Outcome) -> list[str]:
+        """The delta to each target on its own (one stale replica must not cancel the others);
+        returns the targets that refused it as stale (they get a full push)."""
+        from services.rollout.weights.bucketing import PushKind
+        from services.rollout.weights.client import WeightPushError, is_stale_base, push_state_dict_async
+
+        assert self.encoder is not None
+        kind = PushKind(delta=True, base_version=delta.base_version, lineage=self.encoder.lineage)
+        reports = await asyncio.gather(*(
+            push_state_dict_async(delta.tensors, [t], version, self.token, self.bucket_bytes, kind=kind)
+            for t in targets), return_exceptions=True)
+        stale, failed = [], {}
+        for t, r in zip(targets, reports, strict=True):
+            if isinstance(r, WeightPushError) and is_stale_base(r.errors.get(t, r)):
+                stale.append(t)
+                out.fallbacks += 1
+                self._acked.pop(t, None)
+                log.info("replica refused the delta (stale base): full push",
+                         extra={"target": t, "error": r.results.get(t)})
+            elif isinstance(r, BaseException):
+                self._acked.pop(t, None)
+                failed[t] = str(r)[:300]
+            else:
+                out.add(r, [t], delta=True)
+                self._acked[t] = (self.encoder.lineage, version)
+        if failed:
+            raise WeightPushError(f"delta push of version {version} failed: {json.dumps(failed)}", failed)
+        return stale
+
+    async def _full(self, targets: list[str], version: int, dtype: torch.dtype,
+                    named: list[tuple[str, torch.Tensor]], out: _Outcome, kind: PushKind) -> None:
+        """One fan-out full push: the encoder's weights to replicas of its dtype, a cast of the master
+        weights (no lineage) to any other."""
+        from services.rollout.weights.client import push_state_dict_async
+
+        assert self.encoder is not None
+        name = str(dtype).removeprefix("torch.")
+        groups: dict[str, list[str]] = {}
+        for t in targets:
+            groups.setdefault(self._dtypes.get(t) or name, []).append(t)
+        for t in targets:
+            self._acked.pop(t, None)
+        for group_dtype, group in groups.items():
+            if group_dtype == name:
+                report = await push_state_dict_async(self.encoder.full(), group, version, self.token,
+                                                     self.bucket_bytes, kind=kind)
+            else:  # no lineage: such a replica never gets deltas from this shadow
+                cast = getattr(torch, group_dtype)
+                report = await push_state_dict_async(((n, t.to(cast)) for n, t in named), group, version,
+                                                     self.token, self.bucket_bytes)
+            out.add(report, group, delta=False)
+            if group_dtype == name:
+                for t in group:
+                    self._acked[t] = (self.encoder.lineage, version)
+
+    def close(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
 
 
 async def push_weights(
@@ -41,47 +264,19 @@ async def push_weights(
     backoff_s: float = 2.0,
     transport: Literal["grpc", "shm"] = "grpc",
 ) -> dict[str, float]:
-    """Push ``weights`` (trainer names; an ``lm.`` prefix is dropped) to every resolved replica."""
-    from services.rollout.weights.client import WeightPushError
-
-    last: Exception | None = None
-    for attempt in range(1, attempts + 1):
-        try:
-            targets = resolve(entries)
-            named = [(k.removeprefix("lm."), v) for k, v in weights.items()]
-            if transport == "shm":
-                seconds, gbps = await _push_shm(named, targets, version, token)
-            else:
-                from services.rollout.weights.client import push_state_dict_async
-
-                report = await push_state_dict_async(
-                    named, targets, version, token, bucket_bytes=bucket_bytes
-                )
-                seconds, gbps = report.seconds, report.gbps
-            return {
-                "weights/push_seconds": seconds,
-                "weights/push_gbps": gbps,
-                "weights/push_targets": float(len(targets)),
-            }
-        except (WeightPushError, DiscoveryError, OSError) as exc:
-            last = exc
-            note_push_failure()
-            log.warning(
-                "weight push failed",
-                extra={"version": version, "attempt": attempt, "of": attempts, "error": str(exc)[:1000]},
-            )
-            if attempt < attempts:
-                await asyncio.sleep(backoff_s * attempt)
-    assert last is not None
-    raise last
+    """One push with a fresh ``WeightPusher`` (full pushes: it has no shadow yet)."""
+    pusher = WeightPusher(entries, token, bucket_bytes=bucket_bytes, transport=transport, attempts=attempts,
+                          backoff_s=backoff_s)
+    try:
+        return await pusher.push(weights, version)
+    finally:
+        pusher.close()
 
 
 async def _push_shm(
     named: list[tuple[str, torch.Tensor]], targets: list[str], version: int, token: str
 ) -> tuple[float, float]:
     """Every replica through its shared memory, concurrently; (seconds, GB/s of one replica's bytes)."""
-    import time
-
     from services.rollout.weights.client import WeightPushError, push_state_dict_shm_async
 
     start = time.perf_counter()

@@ -6,14 +6,17 @@ import asyncio
 
 import httpx
 import pytest
+import torch
 
 from services.common.process import ServiceProcess, free_port
 from services.rollout.weights.client import (
     WeightPushError,
     get_version,
+    iter_checkpoint,
     push_checkpoint,
     push_checkpoint_async,
 )
+from services.trainer.push import WeightPusher
 from tests.helpers.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.integration
@@ -39,4 +42,18 @@ def test_push_into_rollout_service_updates_version_and_metrics(tmp_path_factory,
         assert asyncio.run(get_version(target)) == 1
         asyncio.run(push_checkpoint_async(served, [target], TOKEN, version=7))
         assert httpx.get(svc.url + "/healthz").json()["weight_version"] == 7
+        # the trainer's pusher: a full push in the service's serving dtype, then a delta (timed load)
+        weights = dict(iter_checkpoint(pushed))
+        pusher = WeightPusher([target], TOKEN, bucket_bytes=1 << 20, backoff_s=0)
+        first = asyncio.run(pusher.push(weights, 8))
+        norm = "model.norm.weight"
+        weights[norm] = weights[norm].clone().index_fill(0, torch.tensor([3]), 2.5)
+        second = asyncio.run(pusher.push(weights, 9))
+        pusher.close()
+        assert (first["weights/push_full_targets"], second["weights/push_delta_targets"]) == (1, 1)
+        assert second["weights/push_wire_bytes"] == 4 + 4  # one fp32 element and its index
+        assert httpx.get(svc.url + "/healthz").json()["weight_version"] == 9
+        metrics = httpx.get(svc.url + "/metrics").text
+        assert 'rollout_weight_pushes_applied_total{kind="delta"} 1.0' in metrics
+        assert "rollout_weight_load_seconds_count 4.0" in metrics  # the delta's load is timed too
     assert TOKEN not in log.read_text()

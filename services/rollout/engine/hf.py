@@ -11,6 +11,8 @@ Invariants:
   takes the same lock, so no forward pass ever mixes old and new weights and every token is
   tagged with the version of the weights that produced it; ``adopt_weights`` swaps the given
   tensors in as ``param.data`` under that lock (no copy) and hands back the replaced storage;
+  ``patch_weights`` does the same and also writes delta patches into the served tensors in place,
+  under the same lock, after validating every patch (a refused patch changes nothing);
 - the reported log-prob of a token is ``log_softmax(logits / T)[token]`` for ``T = temperature``
   (``T = 1`` when greedy), i.e. under the temperature-scaled distribution *before* top-p
   truncation — exactly what the trainer recomputes from a forward pass with ``logits / T``
@@ -147,6 +149,11 @@ class HFEngine:
         self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ weights
+    @property
+    def serving_dtype(self) -> str:
+        """dtype name of the served floating-point weights (what a delta push must be encoded in)."""
+        return str(self.model.dtype).removeprefix("torch.")
+
     def weight_specs(self) -> dict[str, tuple[int, ...]]:
         """Every name ``load_weights`` accepts, with its shape (used to reject a bad push early)."""
         return {name: tuple(t.shape) for name, t in self._params.items()}
@@ -172,9 +179,20 @@ class HFEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self._load_sync, named_tensors, version, True)
 
+    async def patch_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], patches: Iterable[Any],
+                            version: int) -> dict[str, torch.Tensor]:
+        """``adopt_weights`` plus in-place patches of the served tensors (a delta push).
+
+        Each patch has ``name``, ``validate(tensor)`` (raises ValueError) and ``apply(tensor)``
+        (``services.rollout.weights.delta.SparsePatch``); all are validated before anything changes.
+        """
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self._load_sync, named_tensors, version, True, list(patches))
+
     def _load_sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                   adopt: bool = False) -> dict[str, torch.Tensor]:
+                   adopt: bool = False, patches: list[Any] | None = None) -> dict[str, torch.Tensor]:
         items = list(named_tensors)
+        patches = patches or []
         replaced: dict[str, torch.Tensor] = {}
         adopted: set[int] = set()
         for name, tensor in items:  # validate everything before touching anything
@@ -184,7 +202,18 @@ class HFEngine:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
+        touched = {id(self._params[n]) for n, _ in items}
+        for patch in patches:
+            param = self._params.get(patch.name)
+            if param is None:
+                raise KeyError(f"patch_weights: unknown parameter {patch.name!r}")
+            if id(param) in touched:
+                raise ValueError(f"patch_weights: {patch.name} is both patched and replaced in one push")
+            touched.add(id(param))
+            patch.validate(param.data)
         with self._step_lock, torch.no_grad():
+            for patch in patches:
+                patch.apply(self._params[patch.name].data)
             for name, tensor in items:
                 param = self._params[name]
                 if (adopt and isinstance(param, torch.nn.Parameter) and tensor.dtype == param.dtype

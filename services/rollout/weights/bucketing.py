@@ -1,15 +1,17 @@
 """Tensors <-> bucketed ``WeightChunk`` messages (the wire format of a weight push).
 
-Packing flattens tensors into messages of ``bucket_bytes`` (the last one may be smaller); a
-tensor larger than the room left in a bucket is split into byte segments across consecutive
-messages, in order. Staging reassembles them into one CPU buffer per tensor.
+Packing flattens each tensor's payload (its raw bytes, or for a delta push possibly a SPARSE
+encoding, see ``delta.py``) into messages of ``bucket_bytes`` (the last one may be smaller); a
+payload larger than the room left in a bucket is split into byte segments across consecutive
+messages, in order. Staging reassembles them into one CPU buffer per tensor (FULL) or per payload.
 
 Invariants:
 - a ``Stager`` never exposes a tensor until the whole push is complete (``last`` seen, every
   declared tensor has all its bytes, totals match);
 - segments of a tensor arrive in byte order with no gaps or overlaps, and every segment's
-  metadata (dtype, shape, size) agrees with the tensor's first segment; anything else is a
-  ``PushError`` naming the tensor;
+  metadata (dtype, shape, size, encoding) agrees with the tensor's first segment, and every
+  message's push fields (version, delta, base version, lineage) with the first message's;
+  anything else is a ``PushError`` naming the tensor or the field; SPARSE only in a delta push;
 - tensors are copied exactly once on each side (into the message on the client, into the
   staging buffer on the server); staging buffers come from a ``StagingPool`` that is reused
   from push to push (touching fresh pages costs far more than copying into warm ones), so the
@@ -68,6 +70,29 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass
+class WireTensor:
+    """One tensor as it travels: its metadata and its payload (raw bytes or an encoding of them)."""
+
+    name: str
+    dtype: str                # torch dtype name without "torch."
+    shape: tuple[int, ...]
+    nbytes: int               # bytes of the whole tensor
+    payload: memoryview       # FULL: the tensor's bytes; SPARSE: indices + values (delta.py)
+    encoding: int = pb.FULL
+    changed: int = 0          # SPARSE: elements carried; FULL: every element
+
+    @property
+    def payload_bytes(self) -> int:
+        return len(self.payload)
+
+    @classmethod
+    def full(cls, name: str, tensor: torch.Tensor) -> WireTensor:
+        data = _as_bytes(tensor)
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape), len(data), data, pb.FULL,
+                   tensor.numel())
 
 
 @dataclass
@@ -153,45 +178,64 @@ def decode_chunk(raw: bytes) -> tuple[pb.WeightChunk, memoryview]:
     return pb.WeightChunk.FromString(b"".join(header)), data
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[Bucket]:
-    """Pack tensors into buckets of ``bucket_bytes`` (the last one may be smaller)."""
+@dataclass(frozen=True)
+class PushKind:
+    """The push-level fields of every message: a full push (default) or a delta on ``base_version``."""
+
+    delta: bool = False
+    base_version: int = 0
+    lineage: str = ""
+
+
+def iter_buckets(tensors: Iterable[tuple[str, torch.Tensor] | WireTensor], version: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, kind: PushKind = PushKind()) -> Iterator[Bucket]:
+    """Pack tensors (or ready ``WireTensor``s) into buckets of ``bucket_bytes`` (the last may be smaller)."""
     if not MIN_BUCKET_BYTES <= bucket_bytes <= MAX_BUCKET_BYTES:
         raise PushError(f"bucket_bytes: {bucket_bytes} is outside [{MIN_BUCKET_BYTES}, {MAX_BUCKET_BYTES}]")
+
+    def chunk(**fields: object) -> pb.WeightChunk:
+        return pb.WeightChunk(version=version, delta=kind.delta, base_version=kind.base_version,
+                              lineage=kind.lineage, **fields)  # type: ignore[arg-type]
+
     parts: list[memoryview] = []
     segments: list[pb.TensorSegment] = []
     used = 0
     n_tensors = total = 0
     seen: set[str] = set()
-    for name, tensor in named_tensors:
-        if name in seen:
-            raise PushError(f"tensor {name!r} appears twice in the push")
-        seen.add(name)
-        data = _as_bytes(tensor)
-        dtype, shape, size = dtype_name(tensor.dtype), list(tensor.shape), len(data)
+    for item in tensors:
+        wire = item if isinstance(item, WireTensor) else WireTensor.full(*item)
+        if wire.name in seen:
+            raise PushError(f"tensor {wire.name!r} appears twice in the push")
+        if wire.encoding != pb.FULL and not kind.delta:
+            raise PushError(f"tensor {wire.name!r}: only a delta push may carry encoded tensors")
+        seen.add(wire.name)
+        data, size = wire.payload, wire.payload_bytes
+        encoded = wire.encoding != pb.FULL
+        meta = {"name": wire.name, "dtype": wire.dtype, "shape": list(wire.shape), "total_bytes": wire.nbytes}
+        if encoded:
+            meta.update(encoding=wire.encoding, payload_bytes=size, changed=wire.changed)
         n_tensors += 1
         total += size
         offset = 0
         while True:
             n = min(bucket_bytes - used, size - offset)
-            segments.append(pb.TensorSegment(name=name, dtype=dtype, shape=shape, total_bytes=size,
-                                             offset=offset, length=n, data_offset=used))
+            segments.append(pb.TensorSegment(offset=offset, length=n, data_offset=used, **meta))  # type: ignore[arg-type]
             parts.append(data[offset:offset + n])
             used += n
             offset += n
             if used >= bucket_bytes:
-                yield Bucket(pb.WeightChunk(version=version, segments=segments), parts)
+                yield Bucket(chunk(segments=segments), parts)
                 parts, segments, used = [], [], 0
             if offset >= size:
                 break
-    yield Bucket(pb.WeightChunk(version=version, segments=segments, last=True, total_tensors=n_tensors,
-                                total_bytes=total), parts)
+    yield Bucket(chunk(segments=segments, last=True, total_tensors=n_tensors, total_bytes=total), parts)
 
 
-def iter_chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[pb.WeightChunk]:
+def iter_chunks(tensors: Iterable[tuple[str, torch.Tensor] | WireTensor], version: int,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                kind: PushKind = PushKind()) -> Iterator[pb.WeightChunk]:
     """The same buckets as complete protobuf messages (for generated-stub clients and tests)."""
-    for bucket in iter_buckets(named_tensors, version, bucket_bytes):
+    for bucket in iter_buckets(tensors, version, bucket_bytes, kind):
         yield bucket.to_message()
 
 
@@ -201,6 +245,7 @@ class StagingPool:
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
         self._lent: set[int] = set()  # addresses of pool buffers an engine adopted as its weights
+        self._payloads: dict[str, np.ndarray] = {}  # encoded payloads of delta pushes (never lent)
 
     def get(self, name: str, nbytes: int) -> np.ndarray:
         buf = self._buffers.get(name)
@@ -208,6 +253,14 @@ class StagingPool:
             buf = np.empty(nbytes, dtype=np.uint8)
             self._buffers[name] = buf
         return buf
+
+    def payload(self, name: str, nbytes: int) -> np.ndarray:
+        """A buffer for an encoded payload of ``nbytes`` (grown, never shrunk: sizes vary per push)."""
+        buf = self._payloads.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = np.empty(max(nbytes, 2 * buf.nbytes if buf is not None else 0), dtype=np.uint8)
+            self._payloads[name] = buf
+        return buf[:nbytes]
 
     def handoff(self, name: str, adopted: torch.Tensor, replaced: torch.Tensor) -> None:
         """The engine now serves ``adopted`` as ``name`` and gave back ``replaced``.
@@ -235,12 +288,27 @@ class StagingPool:
 class _Staged:
     dtype: str
     shape: tuple[int, ...]
-    buffer: np.ndarray
+    nbytes: int               # of the tensor
+    buffer: np.ndarray        # FULL: the tensor's bytes; encoded: the payload
+    encoding: int = pb.FULL
+    changed: int = 0
     received: int = 0
 
 
+@dataclass
+class EncodedTensor:
+    """A complete encoded payload of a delta push (decoded by ``delta.decode_sparse``)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    encoding: int
+    changed: int
+    payload: np.ndarray
+
+
 class Stager:
-    """Server side: reassemble one push; ``tensors()`` only once it is complete."""
+    """Server side: reassemble one push; ``tensors()``/``encoded()`` only once it is complete."""
 
     def __init__(self, expected: dict[str, tuple[int, ...]] | None = None,
                  max_bytes: int | None = None, pool: StagingPool | None = None) -> None:
@@ -248,28 +316,38 @@ class Stager:
         self.max_bytes = max_bytes
         self.pool = pool
         self.version: int | None = None
+        self.kind: PushKind | None = None
         self.bytes = 0
         self.last = False
         self._staged: dict[str, _Staged] = {}
+
+    @property
+    def delta(self) -> bool:
+        return self.kind is not None and self.kind.delta
 
     def add(self, chunk: pb.WeightChunk, data: bytes | memoryview | None = None) -> None:
         """Stage one message; ``data`` overrides ``chunk.data`` (see ``decode_chunk``)."""
         if self.last:
             raise PushError("message after the one marked last")
+        kind = PushKind(chunk.delta, chunk.base_version, chunk.lineage)
         if self.version is None:
-            self.version = chunk.version
+            self.version, self.kind = chunk.version, kind
         elif chunk.version != self.version:
             raise PushError(f"version changed inside a push ({self.version} -> {chunk.version})")
+        elif kind != self.kind:
+            raise PushError("delta/base_version/lineage changed inside a push")
         if data is None:
             data = chunk.data
         for seg in chunk.segments:
             st = self._staged.get(seg.name) or self._start(seg)
-            if (seg.dtype, tuple(seg.shape), seg.total_bytes) != (st.dtype, st.shape, st.buffer.nbytes):
+            if (seg.dtype, tuple(seg.shape), seg.total_bytes, seg.encoding, seg.changed) != (
+                    st.dtype, st.shape, st.nbytes, st.encoding, st.changed) or (
+                    seg.encoding != pb.FULL and seg.payload_bytes != st.buffer.nbytes):
                 raise PushError(f"tensor {seg.name!r}: segment metadata disagrees with its first segment")
             if seg.offset != st.received:
                 raise PushError(f"tensor {seg.name!r}: segment at byte {seg.offset}, expected {st.received}")
             end = seg.data_offset + seg.length
-            if end > len(data) or seg.offset + seg.length > seg.total_bytes:
+            if end > len(data) or seg.offset + seg.length > st.buffer.nbytes:
                 raise PushError(f"tensor {seg.name!r}: segment runs past the message or the tensor")
             if seg.length:
                 st.buffer[seg.offset:seg.offset + seg.length] = np.frombuffer(
@@ -288,18 +366,27 @@ class Stager:
         if any(d < 0 for d in shape) or prod(shape) * itemsize != seg.total_bytes:
             raise PushError(
                 f"tensor {seg.name!r}: shape {list(shape)} x {seg.dtype} != {seg.total_bytes} bytes")
+        if seg.encoding not in (pb.FULL, pb.SPARSE):
+            raise PushError(f"tensor {seg.name!r}: unknown encoding {seg.encoding}")
+        if seg.encoding != pb.FULL and not self.delta:
+            raise PushError(f"tensor {seg.name!r}: encoding SPARSE is only valid in a delta push")
         if self.expected is not None:
             want = self.expected.get(seg.name)
             if want is None:
                 raise PushError(f"tensor {seg.name!r} is not a weight of the served model")
             if tuple(want) != shape:
                 raise PushError(f"tensor {seg.name!r}: shape {list(shape)}, the model has {list(want)}")
-        staged_total = sum(s.buffer.nbytes for s in self._staged.values()) + seg.total_bytes
+        size = seg.total_bytes if seg.encoding == pb.FULL else seg.payload_bytes
+        staged_total = sum(s.buffer.nbytes for s in self._staged.values()) + size
         if self.max_bytes is not None and staged_total > self.max_bytes:
             raise PushError(f"push exceeds max_bytes={self.max_bytes}")
-        buffer = (self.pool.get(seg.name, seg.total_bytes) if self.pool is not None
-                  else np.empty(seg.total_bytes, dtype=np.uint8))
-        st = _Staged(seg.dtype, shape, buffer)
+        if seg.encoding == pb.FULL:
+            buffer = (self.pool.get(seg.name, size) if self.pool is not None
+                      else np.empty(size, dtype=np.uint8))
+        else:
+            buffer = (self.pool.payload(seg.name, size) if self.pool is not None
+                      else np.empty(size, dtype=np.uint8))
+        st = _Staged(seg.dtype, shape, seg.total_bytes, buffer, seg.encoding, seg.changed)
         self._staged[seg.name] = st
         return st
 
@@ -319,11 +406,22 @@ class Stager:
     def names(self) -> list[str]:
         return list(self._staged)
 
+    def dtypes(self) -> dict[str, str]:
+        return {name: st.dtype for name, st in self._staged.items()}
+
+    def changed(self) -> int:
+        """Elements a delta push changes (every element of its FULL tensors)."""
+        return sum(st.changed if st.encoding != pb.FULL else st.nbytes // DTYPES[st.dtype].itemsize
+                   for st in self._staged.values())
+
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The FULL tensors of the push."""
         if not self.last:
             raise PushError("incomplete push: the message marked last never arrived")
         out = []
         for name, st in self._staged.items():
+            if st.encoding != pb.FULL:
+                continue
             dtype = DTYPES[st.dtype]
             if st.buffer.nbytes == 0:
                 out.append((name, torch.empty(st.shape, dtype=dtype)))
@@ -332,3 +430,10 @@ class Stager:
             t = raw.to(torch.bool) if dtype == torch.bool else raw.view(dtype)
             out.append((name, t.reshape(st.shape)))
         return out
+
+    def encoded(self) -> list[EncodedTensor]:
+        """The encoded (non-FULL) tensors of a delta push."""
+        if not self.last:
+            raise PushError("incomplete push: the message marked last never arrived")
+        return [EncodedTensor(name, DTYPES[st.dtype], st.shape, st.encoding, st.changed, st.buffer)
+                for name, st in self._staged.items() if st.encoding != pb.FULL]

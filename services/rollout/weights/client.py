@@ -8,6 +8,9 @@ Invariants:
   ``WeightPushError`` lists each target's outcome; targets that had already finished keep the
   new weights, so the caller retries the whole push (pushes are idempotent per version);
 - the token travels only in the gRPC metadata, never in logs or error messages;
+- ``kind`` makes it a delta push (``PushKind(delta=True, base_version, lineage)``, tensors are
+  ``WireTensor``s from ``delta.DeltaEncoder``) or tags a full push with the pusher's lineage; a
+  replica that cannot apply the delta answers FAILED_PRECONDITION (``is_stale_base``);
 - ``push_state_dict_shm``: the colocated transport (``shm.py``) for a replica on this machine under
   this uid: RegisterShm (free segment + generation) -> one copy into the free segment -> CommitShm;
   the mapping is cached per target and layout id (a restarted replica gets a new one).
@@ -27,7 +30,13 @@ import torch
 
 from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
-from services.rollout.weights.bucketing import DEFAULT_BUCKET_BYTES, GRPC_BULK_OPTIONS, iter_buckets
+from services.rollout.weights.bucketing import (
+    DEFAULT_BUCKET_BYTES,
+    GRPC_BULK_OPTIONS,
+    PushKind,
+    WireTensor,
+    iter_buckets,
+)
 from services.rollout.weights.memory import keep_freed_buffers
 from services.rollout.weights.server import TOKEN_METADATA_KEY
 from services.rollout.weights.shm import ShmError, ShmMapping, boot_id
@@ -38,9 +47,11 @@ PUSH_METHOD = "/retool.v1.WeightService/PushWeights"
 
 
 class WeightPushError(RuntimeError):
-    def __init__(self, message: str, results: dict[str, str]) -> None:
+    def __init__(self, message: str, results: dict[str, str],
+                 errors: dict[str, BaseException] | None = None) -> None:
         super().__init__(message)
-        self.results = results
+        self.results = results  # target -> "ok" or what went wrong
+        self.errors = errors or {}  # target -> its exception (e.g. for ``is_stale_base``)
 
 
 @dataclass
@@ -58,9 +69,18 @@ class PushReport:
 
 
 async def get_version(target: str, timeout_s: float = 10.0) -> int:
+    return int((await get_replica_state(target, timeout_s)).version)
+
+
+async def get_replica_state(target: str, timeout_s: float = 10.0) -> pb.VersionReply:
+    """Version, serving dtype and delta lineage of the replica at ``target``."""
     async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
-        reply = await pb_grpc.WeightServiceStub(channel).GetVersion(pb.VersionRequest(), timeout=timeout_s)
-        return int(reply.version)
+        return await pb_grpc.WeightServiceStub(channel).GetVersion(pb.VersionRequest(), timeout=timeout_s)
+
+
+def is_stale_base(exc: BaseException) -> bool:
+    """A delta refused because the replica does not serve its base (it needs a full push)."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def _push_one(target: str, queue: asyncio.Queue[bytes | None], token: str,
@@ -76,9 +96,10 @@ async def _push_one(target: str, queue: asyncio.Queue[bytes | None], token: str,
         return await call(requests(), metadata=((TOKEN_METADATA_KEY, token),), timeout=timeout_s)
 
 
-async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]], targets: list[str],
-                                version: int, token: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                                timeout_s: float | None = None) -> PushReport:
+async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor] | WireTensor],
+                                targets: list[str], version: int, token: str,
+                                bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None,
+                                kind: PushKind = PushKind()) -> PushReport:
     """Push ``named_tensors`` to every ``host:port`` in ``targets``; all are complete on return."""
     if not targets:
         raise ValueError("targets: at least one host:port is required")
@@ -90,7 +111,7 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
     start = time.perf_counter()
 
     async def produce() -> None:
-        for bucket in iter_buckets(named_tensors, version, bucket_bytes):
+        for bucket in iter_buckets(named_tensors, version, bucket_bytes, kind):
             if bucket.header.last:
                 stats["tensors"], stats["bytes"] = bucket.header.total_tensors, bucket.header.total_bytes
             message = bucket.encode()
@@ -115,20 +136,23 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
         await asyncio.gather(producer, *tasks.values(), return_exceptions=True)
     seconds = time.perf_counter() - start
     replies: dict[str, dict[str, float]] = {}
+    errors: dict[str, BaseException] = {}
     for target, task in tasks.items():
         if task.cancelled():
             results[target] = "cancelled (another target failed)"
         elif (exc := task.exception()) is not None:
             results[target] = _describe(exc)
+            errors[target] = exc
         else:
             reply = task.result()
             results[target] = "ok"
             replies[target] = {"version": reply.version, "receive_seconds": reply.receive_seconds,
-                               "load_seconds": reply.load_seconds}
+                               "load_seconds": reply.load_seconds, "changed": reply.changed}
     if not producer.cancelled() and (exc := producer.exception()) is not None:
         raise exc
     if any(r != "ok" for r in results.values()):
-        raise WeightPushError(f"weight push of version {version} failed: {json.dumps(results)}", results)
+        raise WeightPushError(f"weight push of version {version} failed: {json.dumps(results)}", results,
+                              errors)
     return PushReport(version, stats["tensors"], stats["bytes"], seconds, replies)
 
 

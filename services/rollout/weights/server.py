@@ -15,7 +15,15 @@ Invariants:
 - colocated transport (``RegisterShm``/``CommitShm``, see ``shm.py``): same token, same lock; a
   commit is accepted only for the segment reported free, at the generation it was reported at
   (every weight change bumps the generation), so no served weight is ever in a writable segment;
-  the segments are unlinked when the server stops.
+  the segments are unlinked when the server stops;
+- delta pushes (``delta.py``): the replica has a *lineage* (reported by GetVersion) only while the
+  weights it serves are exactly those of ``engine.version`` as pushed with that lineage, in the
+  pushed dtypes; a delta whose ``base_version``/``lineage`` differ is refused with
+  FAILED_PRECONDITION at its first message. An engine with ``patch_weights`` (HF) gets the changed
+  elements written into its served tensors under its step lock; any other engine gets the changed
+  tensors reconstructed in full through ``load_weights`` from the copy of the served weights this
+  server keeps for it (``_served``). Every patch is validated before any weight is touched; any
+  refused or failed load clears the lineage (the next push must be full).
 
 Run standalone (a bare replica for the weight benchmark):
 ``RETOOL_WEIGHT_TOKEN=... python -m services.rollout.weights.server --model DIR --port P``.
@@ -45,7 +53,9 @@ from services.rollout.weights.bucketing import (
     Stager,
     StagingPool,
     decode_chunk,
+    dtype_name,
 )
+from services.rollout.weights.delta import SparsePatch, decode_sparse
 from services.rollout.weights.memory import keep_freed_buffers
 from services.rollout.weights.shm import SHM_DIR, ShmError, ShmSegments, boot_id
 
@@ -65,6 +75,13 @@ class WeightPushMetrics:
             "weight_push_receive_seconds", "Seconds from the first to the last message of a push",
             buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )
+        self.applied = registry.counter("weight_pushes_applied_total", "Pushes applied, by kind", ("kind",))
+        self.changed = registry.counter(
+            "weight_push_changed_elements_total", "Weight elements changed by delta pushes")
+        for kind in ("full", "delta", "shm"):
+            self.applied.labels(kind)
+        for outcome in ("ok", "invalid", "stale_base", "unauthenticated", "interrupted"):
+            self.pushes.labels(outcome)
 
 
 class WeightServicer:
@@ -83,6 +100,17 @@ class WeightServicer:
         self.shm_dir = shm_dir
         self._shm: ShmSegments | None = None  # created by the first RegisterShm
         self._generation = 0  # bumped on every weight change (any transport)
+        self._lineage = ""  # non-empty: deltas on engine.version of this lineage apply
+        # engines without patch_weights: the served weights as pushed (the base of a delta)
+        self._served: dict[str, torch.Tensor] = {}
+
+    @property
+    def lineage(self) -> str:
+        return self._lineage
+
+    def serving_dtype(self) -> str:
+        dtype = getattr(self.engine, "serving_dtype", None)
+        return str(dtype).removeprefix("torch.") if dtype else ""
 
     def _authorized(self, context: grpc.aio.ServicerContext) -> bool:
         for key, value in context.invocation_metadata() or ():
@@ -109,14 +137,20 @@ class WeightServicer:
         start: float | None = None
         try:
             async for chunk, data in request_iterator:  # decode_chunk: ``data`` is a view, not a copy
-                start = start or time.perf_counter()
+                if start is None:
+                    start = time.perf_counter()
+                    if chunk.delta and (stale := self._stale_base(chunk)):
+                        self._count("stale_base")
+                        log.info("delta push refused: stale base", extra={"reason": stale})
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, stale)
                 stager.add(chunk, data)
             if not stager.complete:
                 raise PushError("incomplete push: the stream ended before the message marked last")
             missing_fn = getattr(self.engine, "missing_weights", None)
-            missing = missing_fn(stager.names()) if callable(missing_fn) else []
+            missing = missing_fn(stager.names()) if callable(missing_fn) and not stager.delta else []
             if missing:
                 raise PushError(f"incomplete push: {len(missing)} weights missing, e.g. {missing[:3]}")
+            patches = self._patches(stager) if stager.delta else []
         except PushError as exc:
             self._count("invalid")
             log.warning("weight push rejected", extra={"error": str(exc)})
@@ -130,7 +164,7 @@ class WeightServicer:
         # The load runs in a worker thread and cannot be stopped once started: it is shielded from
         # a cancelled RPC and awaited before the push lock is released, so the pool has taken back
         # exactly the buffers the engine gave up before the next push stages into it.
-        apply = asyncio.ensure_future(self._apply(stager.tensors(), version))
+        apply = asyncio.ensure_future(self._apply(stager.tensors(), version, patches, stager))
         try:
             await asyncio.shield(apply)
         except asyncio.CancelledError:
@@ -149,30 +183,110 @@ class WeightServicer:
         receive_s, load_s = received - (start or received), time.perf_counter() - received
         self._loaded(stager, version, receive_s, load_s)
         return pb.PushReply(version=self.engine.version, tensors=len(stager.names()), bytes=stager.bytes,
-                            receive_seconds=receive_s, load_seconds=load_s)
+                            receive_seconds=receive_s, load_seconds=load_s, delta=stager.delta,
+                            changed=stager.changed() if stager.delta else 0)
+
+    def _stale_base(self, chunk: pb.WeightChunk) -> str:
+        """Why a delta on (``chunk.base_version``, ``chunk.lineage``) cannot apply here ("" = it can)."""
+        served = self.engine.version
+        if not self._lineage:
+            return (f"base_version: this replica serves version {served} without a delta base (it restarted, "
+                    "or its last weights did not come from a push with a lineage): send a full push")
+        if chunk.lineage != self._lineage or chunk.base_version != served:
+            return (f"base_version: this replica serves version {served} of another lineage or version "
+                    f"than the delta's base {chunk.base_version}: send a full push")
+        return ""
+
+    def _patches(self, stager: Stager) -> list[SparsePatch]:
+        """Decode every SPARSE payload and check it against the weight it patches (nothing applied)."""
+        patches = []
+        for enc in stager.encoded():
+            numel = 1
+            for d in enc.shape:
+                numel *= d
+            patches.append(decode_sparse(enc.name, enc.dtype, numel, enc.changed, enc.payload))
+        if not callable(getattr(self.engine, "patch_weights", None)):
+            for patch in patches:
+                base = self._served.get(patch.name)
+                if base is None:
+                    raise PushError(f"tensor {patch.name!r}: no served copy to apply a delta to")
+                try:
+                    patch.validate(base)
+                except ValueError as exc:
+                    raise PushError(str(exc)) from None
+        return patches
 
     def _loaded(self, stager: Stager, version: int, receive_s: float, load_s: float) -> None:
         self._count("ok")
         if self.metrics is not None:
             self.metrics.bytes.inc(stager.bytes)
             self.metrics.receive.observe(receive_s)
-        log.info("weights pushed", extra={"version": version, "bytes": stager.bytes,
+            self.metrics.applied.labels("delta" if stager.delta else "full").inc()
+            if stager.delta:
+                self.metrics.changed.inc(stager.changed())
+        log.info("weights pushed", extra={"version": version, "bytes": stager.bytes, "delta": stager.delta,
                                           "receive_s": round(receive_s, 3), "load_s": round(load_s, 3)})
 
-    async def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+    async def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int,
+                     patches: list[SparsePatch] | None = None, stager: Stager | None = None) -> None:
         """Load a complete push; with ``adopt_weights`` the staged buffers become the weights (no copy)
-        and the pool swaps in the buffers they replaced (see ``StagingPool.handoff``)."""
+        and the pool swaps in the buffers they replaced (see ``StagingPool.handoff``). ``patches``
+        (delta pushes) go to ``patch_weights``, or are applied to copies of the served tensors that
+        ``load_weights`` gets in full. The lineage is set again only once the load succeeded."""
+        patches = patches or []
+        lineage, self._lineage = self._lineage, ""
+        patch = getattr(self.engine, "patch_weights", None)
         adopt = getattr(self.engine, "adopt_weights", None)
         try:
-            if not callable(adopt):
+            if callable(patch) and (patches or (stager is not None and stager.delta)):
+                replaced = await patch(tensors, patches, version)
+            elif callable(adopt):
+                replaced = await adopt(tensors, version)
+            else:
+                tensors = tensors + self._rebuilt(patches)
                 await self.engine.load_weights(tensors, version)
-                return
-            replaced = await adopt(tensors, version)
+                replaced = self._keep_served(tensors, full=stager is None or not stager.delta)
+        except (KeyError, ValueError):  # refused by the engine's validation: nothing changed
+            self._lineage = lineage
+            raise
         finally:
             self._generation += 1  # conservative: even a refused load counts as a change
         given = dict(tensors)
         for name, old in replaced.items():
             self._pool.handoff(name, given[name], old)
+        if stager is not None and stager.kind is not None and stager.kind.lineage:
+            self._lineage = stager.kind.lineage if self._pushed_as_served(stager) else ""
+
+    def _rebuilt(self, patches: list[SparsePatch]) -> list[tuple[str, torch.Tensor]]:
+        """Full tensors for ``load_weights``: each served copy, staged in the pool, with its patch applied."""
+        out = []
+        for patch in patches:
+            base = self._served[patch.name]
+            buffer = self._pool.get(patch.name, base.nbytes)
+            staged = torch.from_numpy(buffer).view(base.dtype).reshape(base.shape)
+            staged.copy_(base)
+            patch.apply(staged)
+            out.append((patch.name, staged))
+        return out
+
+    def _keep_served(self, tensors: list[tuple[str, torch.Tensor]], full: bool) -> dict[str, torch.Tensor]:
+        """After ``load_weights``: the loaded tensors are now the served copies (a full push replaces
+        them all). Returns the replaced copies, for the pool to take back."""
+        replaced = {}
+        if full:
+            replaced, self._served = self._served, {}
+        for name, t in tensors:
+            if name in self._served:
+                replaced[name] = self._served[name]
+            self._served[name] = t
+        return {n: t for n, t in replaced.items() if n in dict(tensors)}
+
+    def _pushed_as_served(self, stager: Stager) -> bool:
+        """True when the engine serves the pushed tensors in the pushed dtypes (deltas then apply)."""
+        if callable(getattr(self.engine, "patch_weights", None)):
+            weights = self._weights() or {}
+            return all(n in weights and dtype_name(weights[n].dtype) == d for n, d in stager.dtypes().items())
+        return all(n in self._served for n in stager.names())
 
     # ------------------------------------------------------------------ colocated shared memory
     def _weights(self) -> dict[str, torch.Tensor] | None:
@@ -247,7 +361,7 @@ class WeightServicer:
                 await context.abort(*error)
             start = time.perf_counter()
             tensors = shm.tensors(request.segment)
-            apply = asyncio.ensure_future(self._apply(tensors, int(request.version)))
+            apply = asyncio.ensure_future(self._apply(tensors, int(request.version)))  # clears the lineage
             try:  # like PushWeights: a load that started is finished before the lock is released
                 await asyncio.shield(apply)
             except asyncio.CancelledError:
@@ -262,6 +376,7 @@ class WeightServicer:
             self._count("ok")
             if self.metrics is not None:
                 self.metrics.bytes.inc(nbytes)
+                self.metrics.applied.labels("shm").inc()
             log.info("weights committed from shared memory",
                      extra={"version": request.version, "segment": request.segment,
                             "load_s": round(load_s, 3)})
@@ -275,7 +390,8 @@ class WeightServicer:
 
     async def GetVersion(self, request: pb.VersionRequest,
                          context: grpc.aio.ServicerContext) -> pb.VersionReply:
-        return pb.VersionReply(version=self.engine.version)
+        return pb.VersionReply(version=self.engine.version, serving_dtype=self.serving_dtype(),
+                               lineage=self._lineage)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Method handlers for the service in proto/retool.proto; ``WeightChunk`` messages are parsed by
@@ -330,10 +446,10 @@ async def start_weight_server(engine: Engine, host: str, port: int, token: str, 
     return WeightServer(server, bound, servicer)
 
 
-async def _serve(model: str, host: str, port: int, token: str) -> None:
+async def _serve(model: str, host: str, port: int, token: str, dtype: str = "float32") -> None:
     from services.rollout.engine.hf import HFEngine
 
-    engine = HFEngine(model)
+    engine = HFEngine(model, dtype=dtype)
     ws = await start_weight_server(engine, host, port, token)
     print(f"weight server listening on {host}:{ws.port}", flush=True)
     loop = asyncio.get_running_loop()
@@ -353,11 +469,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-env", default="RETOOL_WEIGHT_TOKEN", help="env var holding the token")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="serving dtype of the engine")
     args = parser.parse_args(argv)
     token = os.environ.get(args.token_env, "").strip()
     if not token:
         parser.error(f"--token-env: the env var {args.token_env} is empty")
-    asyncio.run(_serve(args.model, args.host, args.port, token))
+    asyncio.run(_serve(args.model, args.host, args.port, token, args.dtype))
 
 
 if __name__ == "__main__":
