@@ -31,9 +31,10 @@ class RunSpec:
     max_processes: int
     workdir_size_mb: int
     max_fetch_file_bytes: int
+    stack_bytes: int = 8 * 1024 * 1024
     stdin: bytes = b""
     files: dict[str, bytes] = field(default_factory=dict)
-    fetch_files: list[str] = field(default_factory=list)
+    fetch_files: list[str] = field(default_factory=list)  # as requested; checked one by one at fetch
     cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind; empty: unchanged
     cgroup_procs: list[str] = field(default_factory=list)  # join these; empty: no cgroups
     cgroup_memory_bytes: int = 0
@@ -51,6 +52,7 @@ class RunOutcome:
     stdout_truncated: int = 0
     stderr_truncated: int = 0
     files: dict[str, bytes] = field(default_factory=dict)
+    fetch_notes: dict[str, str] = field(default_factory=dict)  # requested path -> why it is absent
 
 
 def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:
