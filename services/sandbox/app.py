@@ -52,7 +52,9 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
     def health() -> dict[str, object]:
         alive = executor.healthy_zygotes
         return {"status": "ok" if alive > 0 else "degraded", "zygotes_alive": alive,
-                "zygotes": len(executor.zygotes), "in_flight": executor.stats.in_flight,
+                "zygotes": len(executor.zygotes),
+                "zygote_restarts": sum(z.restarts for z in executor.zygotes),
+                "in_flight": executor.stats.in_flight,
                 "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
                 "cgroups": executor.cgroups.version if executor.cgroups else None,
                 "runtime": executor.runtime_info()}
