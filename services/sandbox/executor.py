@@ -40,6 +40,7 @@ from services.sandbox.schemas import (
 from services.sandbox.zygote_process import Zygote
 
 log = get_logger("sandbox.executor")
+POD_NAME = os.environ.get("MY_POD_NAME")  # reported as executor_pod_name, as SandboxFusion does
 
 
 class QueueFull(Exception):
@@ -232,11 +233,13 @@ def to_response(outcome: RunOutcome, notes: tuple[str, ...] = ()) -> RunCodeResp
     skipped = (f"fetch_files {path!r} skipped: {why}" for path, why in outcome.fetch_notes.items())
     messages = [*notes, *skipped]
     if not outcome.ok:
-        return RunCodeResponse(status=RunStatus.SandboxError, message="; ".join([outcome.error, *messages]))
+        return RunCodeResponse(status=RunStatus.SandboxError, message="; ".join([outcome.error, *messages]),
+                               executor_pod_name=POD_NAME)
     files = {p: base64.b64encode(d).decode() for p, d in outcome.files.items()}
     result = CommandRunResult(
         status=CommandRunStatus.TimeLimitExceeded if outcome.timed_out else CommandRunStatus.Finished,
         execution_time=outcome.execution_time, return_code=None if outcome.timed_out else outcome.return_code,
         stdout=decode_output(outcome.stdout), stderr=decode_output(outcome.stderr))
     status = RunStatus.Success if not outcome.timed_out and outcome.return_code == 0 else RunStatus.Failed
-    return RunCodeResponse(status=status, message="; ".join(messages), run_result=result, files=files)
+    return RunCodeResponse(status=status, message="; ".join(messages), run_result=result, files=files,
+                           executor_pod_name=POD_NAME)
