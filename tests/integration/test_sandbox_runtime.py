@@ -61,7 +61,8 @@ def test_a_runtime_under_tmp_stays_importable_in_runs(tmp_path):
     args = ["--set", f"runtime_python={venv}/bin/python", "--set", "max_concurrency=2", "--set", "zygotes=1",
             "--set", "light_zygotes=0", "--set", "heavy_zygotes=0"]
     with SandboxProcess(args, log_path=str(tmp_path / "sb.log")) as sb:
-        code = ("import subprocess, sys, tmp_probe_mod\nprint(tmp_probe_mod.VALUE, sys.executable, flush=True)\n"
+        code = ("import subprocess, sys, tmp_probe_mod\n"
+                "print(tmp_probe_mod.VALUE, sys.executable, flush=True)\n"
                 "subprocess.run([sys.executable, '-c',\n"
                 "                'import tmp_probe_mod; print(tmp_probe_mod.VALUE + 1)'], check=True)\n"
                 "try:\n    open(tmp_probe_mod.__file__, 'a')\n"
