@@ -1,4 +1,4 @@
-"""A run's output: capped capture (runner side) and decoding into the response (service side).
+"""A run's output: capped capture (zygote side) and decoding into the response (service side).
 
 Invariants:
 - at most ``cap`` bytes of a stream are kept (its head and tail), never the whole stream;

@@ -6,9 +6,9 @@ Invariants:
 - a request waits for a slot at most ``limits.queue_wait_s`` and at most ``max_queue``
   requests wait; beyond either, ``QueueFull``/``QueueTimeout`` (the API answers 504, the
   one status verl's client retries) — a request never hangs;
-- a zygote that dies is restarted; a run whose zygote fails is a ``SandboxError``, never
-  a crash of the service; children the service inherits (it may be pid 1 in a container,
-  and runners outlive a dead zygote) are reaped.
+- a zygote that dies is restarted; its runs die with it and answer ``SandboxError``, never
+  a crash of the service; what it leaves behind comes to the service (a child subreaper,
+  or pid 1 in a container) and is killed and reaped.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import contextlib
 import os
 import resource
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 
 from services.common.logging import get_logger
+from services.sandbox import linux
 from services.sandbox.capture import decode_output
 from services.sandbox.cgroups import CgroupPlan
 from services.sandbox.config import SandboxConfig
@@ -98,6 +100,7 @@ class Executor:
 
     async def start(self) -> None:
         _check_stack_limit(self.cfg.max_stack_mb)
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)  # a dead zygote's leftovers come to us
         for slot in range(self.cfg.max_concurrency):
             self._slots.put_nowait(slot)
         await asyncio.gather(*(z.start() for z in self.zygotes))
@@ -119,7 +122,7 @@ class Executor:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(1.0)
-            reap_orphans({z.pid for z in self.zygotes if z.pid is not None})
+            clean_orphans({z.pid for z in self.zygotes if z.pid is not None})
             for z in self.zygotes:
                 if not z.alive:
                     log.warning("zygote died; restarting", extra={"zygote": z.name})
@@ -199,11 +202,13 @@ def _check_stack_limit(stack_mb: int) -> None:
                     "capped there", extra={"hard_bytes": hard, "wanted_bytes": want})
 
 
-def reap_orphans(keep: set[int]) -> int:
-    """Reap exited children that are not ``keep`` (asyncio waits for those); returns how many.
+def clean_orphans(keep: set[int]) -> int:
+    """Kill and reap every child that is not ``keep`` (the zygotes asyncio waits for).
 
-    Children we did not start reach us when we are pid 1 (a container) or a subreaper:
-    e.g. a runner whose zygote died finishes its run and exits with no one to wait for it.
+    Any other child is something a dead zygote left behind: the ``sleep`` holding a run's
+    pid namespace (the run's own processes stay in that namespace, with it as their
+    reaper), handed to us as the subreaper (or as pid 1 in a container). Returns how many
+    were reaped.
     """
     reaped = 0
     for child in _children() - keep:
@@ -212,9 +217,12 @@ def reap_orphans(keep: set[int]) -> int:
                 state = fh.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state == "Z":
-            with contextlib.suppress(ChildProcessError):
-                reaped += os.waitpid(child, os.WNOHANG)[0] == child
+        if state != "Z":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)  # a run's init (root): its whole namespace ends
+            continue
+        with contextlib.suppress(ChildProcessError):
+            reaped += os.waitpid(child, os.WNOHANG)[0] == child
     return reaped
 
 

@@ -35,6 +35,7 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -66,7 +67,7 @@ def prctl(option: int, arg: int) -> None:
 def set_fs_ids(uid: int, gid: int) -> None:
     """Check file access as ``uid``/``gid`` (``setfsuid``/``setfsgid``); ``0, 0`` restores root.
 
-    Unlike ``setresuid`` this is reversible, so the runner can read a run's files the way
+    Unlike ``setresuid`` this is reversible, so the zygote can read a run's files the way
     their owner would, without holding ``CAP_DAC_OVERRIDE``. Raises if the change did not take.
     """
     _libc.setfsgid(gid)

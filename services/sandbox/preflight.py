@@ -10,8 +10,8 @@ Capabilities the service needs inside its container (all others can be dropped),
 - ``CHOWN``: hand the run's working directory and input files to the run's uid.
 
 Not needed: ``DAC_OVERRIDE``/``DAC_READ_SEARCH`` (the working directory is entered before
-it is handed over; fetched files are read as their owner), ``KILL`` (the runner ends a run
-by killing its pid-namespace init, a root process; the kernel kills the rest).
+it is handed over; fetched files are read as their owner), ``KILL`` (a run is ended by
+killing its pid-namespace init, a root process; the kernel kills the rest).
 """
 
 from __future__ import annotations

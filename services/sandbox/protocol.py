@@ -8,7 +8,6 @@ where requests are validated; a map with an unknown or missing field fails here 
 
 from __future__ import annotations
 
-import socket
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,20 +63,3 @@ def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:
 
 def unpack_body(body: bytes) -> dict[str, Any]:
     return msgpack.unpackb(body, raw=False)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection mid-frame")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (length,) = struct.unpack(">I", recv_exact(sock, 4))
-    if length > MAX_FRAME:
-        raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    return unpack_body(recv_exact(sock, length))

@@ -1,50 +1,52 @@
-"""One sandboxed run, supervised by a process forked from a warm zygote.
+"""One sandboxed run, supervised from the zygote's event loop (one fork per run).
 
 Process tree of a run::
 
-    runner  (root; fresh mount/net/ipc/uts namespaces)  enforces the wall limit, reads output,
+    zygote  (root; warm heap; serves many runs at once)  enforces the wall limit, reads output,
       │                                                   fetches the requested files
       ├── init  (pid 1 of the run's pid namespace)       a bare ``sleep``: holds the namespace
-      └── run   (pid 2; see ``run_process``)              mounts its private tmpfs, writes the
-                                                          input files, drops to the run's uid
-                                                          and executes the model's code
+      └── run   (pid 2; see ``run_process``)              enters its network/ipc/uts namespaces,
+                                                          mounts its private tmpfs, drops to the
+                                                          run's uid and executes the model's code
 
 Invariants:
-- the run has no network (a fresh, unconfigured network namespace: not even loopback),
-  sees only its own processes (fresh /proc), cannot write anywhere but its private tmpfs
-  (the zygote remounted every inherited mount read-only), runs as an unprivileged uid no
-  other concurrent run shares, with no_new_privs, and inherits no descriptor but
-  stdin/stdout/stderr;
-- the run is not pid 1, so a signal it sends itself acts as on any process; its exit
-  status (or the signal that ended it) is its own, read by ``waitpid`` here;
-- when the run process ends, or at the wall limit, init is killed and with it, by the
-  kernel, every process the run left behind; the run's tmpfs lives until the runner exits;
-- the runner never needs ``CAP_KILL`` or ``CAP_DAC_OVERRIDE``: it signals only init (root),
-  and reads the run's files with the run's file-system uid;
+- the run has no network (an empty network namespace: not even loopback), sees only its
+  own processes (fresh /proc), cannot write anywhere but its private tmpfs (the zygote
+  remounted every inherited mount read-only), runs as an unprivileged uid no other
+  concurrent run shares, with no_new_privs, and inherits no descriptor but stdin/stdout/stderr;
+- the run is not pid 1, so a signal it sends itself acts as on any process; its exit status
+  (or the signal that ended it) is its own, read by ``waitpid`` here;
+- when the run process ends, or at the wall limit, init is killed and with it, by the kernel,
+  every process the run left behind; the run's mount namespace (and so its tmpfs) is held
+  by a descriptor until its files are fetched;
+- the zygote is back in its own mount and pid namespaces before it does anything else, and
+  never needs ``CAP_KILL`` or ``CAP_DAC_OVERRIDE``: it signals only init (root), and reads a
+  run's files with the run's file-system uid;
 - output is captured up to the cap (head and tail kept), the rest counted, never buffered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import math
 import os
-import selectors
+import posixpath
 import signal
-import socket
 import stat
 import time
 
 from services.sandbox import linux, run_process
 from services.sandbox.capture import CappedBuffer
 from services.sandbox.cgroups import SlotCgroup, write_limits
-from services.sandbox.protocol import RunOutcome, RunSpec, pack, recv_frame
+from services.sandbox.protocol import RunOutcome, RunSpec
 
-_NS_FLAGS = linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
 SLOT_NETNS: dict[int, int] = {}  # slot -> fd of its empty network namespace (see create_slot_netns)
 SLEEP = next((p for p in ("/usr/bin/sleep", "/bin/sleep") if os.access(p, os.X_OK)), "")
 _KILL_DRAIN_S = 2.0
-_INIT_GRACE_S = 30  # init outlives the wall limit by this much even if its runner vanished
+_INIT_GRACE_S = 30  # init outlives the wall limit by this much even if its zygote vanished
+_OWN_PIDNS: list[int] = []  # fd of the zygote's own pid namespace, to return to after each fork
 
 
 def create_slot_netns(slots: list[int]) -> None:
@@ -64,58 +66,93 @@ def create_slot_netns(slots: list[int]) -> None:
         os.close(own)
 
 
-def serve_connection(conn: socket.socket) -> None:
-    """Entry point of a freshly forked runner: one request in, one outcome out."""
+def remember_own_pid_namespace() -> None:
+    _OWN_PIDNS.append(os.open("/proc/self/ns/pid", os.O_RDONLY))
+
+
+def _start(spec: RunSpec, cgroup: SlotCgroup | None, fds: run_process.RunFds) -> tuple[int, int]:
+    """Create the run's pid namespace, its init and the run process; returns (init, run pid).
+
+    Synchronous on purpose: between ``unshare`` and the return to the zygote's own pid
+    namespace nothing else may run (no other fork may land in this run's namespace).
+    """
+    linux.unshare(linux.CLONE_NEWPID)
     try:
-        spec = RunSpec(**recv_frame(conn))
-        outcome = execute(spec)
-    except Exception as exc:  # any failure here is the sandbox's, reported as SandboxError
-        outcome = RunOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
-    conn.sendall(pack(outcome))
+        # pid 1 of the new namespace: spawned (no copy of this heap), so the run can be pid 2
+        init = os.posix_spawn(SLEEP, ["sleep", str(math.ceil(spec.timeout_s) + _INIT_GRACE_S)], {})
+        try:
+            pid = os.fork()
+        except OSError:
+            _kill_init(init)
+            os.waitpid(init, 0)
+            raise
+        if pid == 0:
+            run_process.run(spec, cgroup, SLOT_NETNS.get(spec.slot), fds)  # never returns
+    finally:
+        linux.setns(_OWN_PIDNS[0], linux.CLONE_NEWPID)
+    return init, pid
 
 
-def execute(spec: RunSpec) -> RunOutcome:
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    netns = SLOT_NETNS.get(spec.slot)
-    if netns is not None:
-        linux.setns(netns, linux.CLONE_NEWNET)
-    linux.unshare(_NS_FLAGS | (linux.CLONE_NEWNET if netns is None else 0))
-    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    in_r, in_w = os.pipe()
-    st_r, st_w = os.pipe()
+async def execute(spec: RunSpec) -> RunOutcome:
     cgroup = SlotCgroup(spec.cgroup_limits, spec.cgroup_procs) if spec.cgroup_procs else None
-    if cgroup is not None and cgroup.limits:  # sent only when this slot's limits change
-        write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
-    start = time.monotonic()
-    # pid 1 of the new namespace: spawned (no copy of this heap), so the run can be pid 2
-    init = os.posix_spawn(SLEEP, ["sleep", str(math.ceil(spec.timeout_s) + _INIT_GRACE_S)], {})
+    fds = run_process.RunFds.create()
     try:
-        pid = os.fork()
-    except OSError:
-        _kill_init(init)
+        if cgroup is not None and cgroup.limits:  # sent only when this slot's limits change
+            write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
+        start = time.monotonic()
+        init, pid = _start(spec, cgroup, fds)
+    except BaseException:
+        fds.close_all()
         raise
-    if pid == 0:
-        for fd in (out_r, err_r, in_w, st_r):
-            os.close(fd)
-        run_process.run(spec, cgroup, in_r, out_w, err_w, st_w)  # never returns
-    for fd in (out_w, err_w, in_r, st_w):
-        os.close(fd)
-    out, err = CappedBuffer(spec.max_output_bytes), CappedBuffer(spec.max_output_bytes)
-    timed_out, ended = _collect(pid, init, start + spec.timeout_s, spec.stdin, {out_r: out, err_r: err}, in_w)
-    _, wait_status = os.waitpid(pid, 0)
-    os.waitpid(init, 0)
-    with os.fdopen(st_r, "rb") as fh:
-        setup_error = fh.read().decode(errors="replace")
-    if setup_error:
-        return RunOutcome(ok=False, error=f"sandbox setup failed: {setup_error}")
-    return_code = None if timed_out else _decode_wait_status(wait_status)
-    files, notes = ({}, {}) if timed_out else _fetch(spec)
-    return RunOutcome(return_code=return_code, timed_out=timed_out,
-                      execution_time=spec.timeout_s if timed_out else ended - start,
-                      stdout=out.render(), stderr=err.render(), stdout_truncated=out.dropped,
-                      stderr_truncated=err.dropped, files=files, fetch_notes=notes)
+    fds.close_run_ends()
+    tmp_dir = -1
+    try:
+        out, err = CappedBuffer(spec.max_output_bytes), CappedBuffer(spec.max_output_bytes)
+        streams = {fds.out_r: out, fds.err_r: err}
+        collector = _Collector(pid, init, start + spec.timeout_s, spec.stdin, streams, fds.in_w)
+        fds.out_r = fds.err_r = fds.in_w = -1  # the collector closes them
+        timed_out, ended = await collector.wait()
+        _, wait_status = os.waitpid(pid, 0)  # has exited: the collector saw it
+        await _reaped(init)
+        setup_error = _read_all(fds.st_r).decode(errors="replace")
+        tmp_dir = run_process.receive_tmp(fds.tmp_rx)
+        if setup_error:
+            return RunOutcome(ok=False, error=f"sandbox setup failed: {setup_error}")
+        return_code = None if timed_out else _decode_wait_status(wait_status)
+        files, notes = ({}, {}) if timed_out or tmp_dir < 0 else _fetch(tmp_dir, spec)
+        return RunOutcome(return_code=return_code, timed_out=timed_out,
+                          execution_time=spec.timeout_s if timed_out else ended - start,
+                          stdout=out.render(), stderr=err.render(), stdout_truncated=out.dropped,
+                          stderr_truncated=err.dropped, files=files, fetch_notes=notes)
+    finally:
+        fds.close_all()
+        if tmp_dir >= 0:
+            os.close(tmp_dir)
+
+
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _reaped(pid: int) -> None:
+    """Wait for a child without blocking the loop (init's exit waits for its namespace to empty)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == 0:
+            exited = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                asyncio.get_running_loop().remove_reader(pidfd)
+            os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
 
 
 def _decode_wait_status(status: int) -> int:
@@ -131,85 +168,127 @@ def _kill_init(init: int) -> None:
         os.kill(init, signal.SIGKILL)
 
 
-def _collect(pid: int, init: int, deadline: float, stdin: bytes, streams: dict[int, CappedBuffer],
-             in_w: int) -> tuple[bool, float]:
-    """Pump stdin/stdout/stderr until the run process ends and every stream is closed.
+class _Collector:
+    """Pumps stdin/stdout/stderr on the event loop until the run process has ended and every
+    stream is closed (or ``_KILL_DRAIN_S`` after it ended). At the end of the run process,
+    or at the deadline, init is killed, which ends every process still in the namespace."""
 
-    Returns (timed out, when the run process ended). At the end of the run process, or at
-    ``deadline``, init is killed, which closes every stream still held in the namespace.
-    """
-    sel = selectors.DefaultSelector()
-    for fd in streams:
-        sel.register(fd, selectors.EVENT_READ)
-    pidfd = os.pidfd_open(pid)
-    sel.register(pidfd, selectors.EVENT_READ)
-    pending = memoryview(stdin)
-    if pending:
-        os.set_blocking(in_w, False)
-        sel.register(in_w, selectors.EVENT_WRITE)
-    else:
-        os.close(in_w)
-    open_streams = set(streams)
-    ended: float | None = None
-    timed_out = killed = False
-    while open_streams or ended is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            if killed:  # namespace should be gone; stop waiting on stray writers
-                break
-            _kill_init(init)
-            killed, timed_out = True, ended is None
-            deadline = time.monotonic() + _KILL_DRAIN_S
-            continue
-        for key, _ in sel.select(remaining):
-            fd = key.fd
-            if fd == pidfd:
-                ended = time.monotonic()
-                sel.unregister(pidfd)
-                _kill_init(init)  # whatever the run left behind ends with it
-                killed = True
-                deadline = ended + _KILL_DRAIN_S
-            elif fd == in_w:
-                try:
-                    n = os.write(in_w, pending[:65536])
-                    pending = pending[n:]
-                except (BrokenPipeError, BlockingIOError):
-                    pending = pending[:0]
-                if not pending:
-                    sel.unregister(in_w)
-                    os.close(in_w)
-            else:
-                chunk = os.read(fd, 65536)
-                if chunk:
-                    streams[fd].feed(chunk)
-                else:
-                    sel.unregister(fd)
-                    os.close(fd)
-                    open_streams.discard(fd)
-    for fd in list(open_streams) + ([in_w] if pending else []):
-        with contextlib.suppress(OSError):
+    def __init__(self, pid: int, init: int, deadline: float, stdin: bytes, streams: dict[int, CappedBuffer],
+                 in_w: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.init = init
+        self.streams = streams
+        self.open = set(streams)
+        self.in_w = in_w
+        self.pending = memoryview(stdin)
+        self.ended: float | None = None
+        self.timed_out = False
+        self.done = self.loop.create_future()
+        self.pidfd = os.pidfd_open(pid)
+        for fd in streams:
+            os.set_blocking(fd, False)
+            self.loop.add_reader(fd, self._read, fd)
+        self.loop.add_reader(self.pidfd, self._exited)
+        if self.pending:
+            os.set_blocking(in_w, False)
+            self.loop.add_writer(in_w, self._write)
+        else:
+            self._close_stdin()
+        self.timer = self.loop.call_at(self._loop_time(deadline), self._deadline)
+
+    def _loop_time(self, monotonic_deadline: float) -> float:
+        return self.loop.time() + max(0.0, monotonic_deadline - time.monotonic())
+
+    async def wait(self) -> tuple[bool, float]:
+        try:
+            await self.done
+        finally:
+            self._close_all()
+        return self.timed_out, self.ended if self.ended is not None else time.monotonic()
+
+    def _read(self, fd: int) -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if chunk:
+            self.streams[fd].feed(chunk)
+            return
+        self.loop.remove_reader(fd)
+        os.close(fd)
+        self.open.discard(fd)
+        self._maybe_done()
+
+    def _write(self) -> None:
+        try:
+            n = os.write(self.in_w, self.pending[:65536])
+            self.pending = self.pending[n:]
+        except BlockingIOError:
+            return
+        except OSError:  # the run closed its stdin
+            self.pending = self.pending[:0]
+        if not self.pending:
+            self.loop.remove_writer(self.in_w)
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self.in_w >= 0:
+            os.close(self.in_w)
+            self.in_w = -1
+
+    def _exited(self) -> None:
+        self.ended = time.monotonic()
+        self.loop.remove_reader(self.pidfd)
+        _kill_init(self.init)  # whatever the run left behind ends with it
+        self.timer.cancel()
+        self.timer = self.loop.call_later(_KILL_DRAIN_S, self._finish)
+        self._maybe_done()
+
+    def _deadline(self) -> None:
+        self.timed_out = True
+        _kill_init(self.init)  # the run process dies with the namespace: _exited follows
+
+    def _maybe_done(self) -> None:
+        if self.ended is not None and not self.open:
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def _close_all(self) -> None:
+        self.timer.cancel()
+        for fd in list(self.open):
+            self.loop.remove_reader(fd)
             os.close(fd)
-    os.close(pidfd)
-    return timed_out, ended if ended is not None else time.monotonic()
+        self.open.clear()
+        if self.in_w >= 0:
+            self.loop.remove_writer(self.in_w)
+            self._close_stdin()
+        if self.ended is None:
+            self.loop.remove_reader(self.pidfd)
+        os.close(self.pidfd)
 
 
-def _fetch(spec: RunSpec) -> tuple[dict[str, bytes], dict[str, str]]:
+def _fetch(tmp_dir: int, spec: RunSpec) -> tuple[dict[str, bytes], dict[str, str]]:
     """Read the requested files from the run's tmpfs, one by one: (contents, why-not notes).
 
-    A relative path is relative to the working directory; an absolute one must lie in the
-    run's ``/tmp``. Symlinks are resolved and must stay on that tmpfs; non-regular and
-    too-large files are skipped. Runs after every process of the run is dead (nothing can
-    swap a path under us), with the run's file-system uid (its files, its permissions).
+    ``tmp_dir`` is the run's ``/tmp`` (its tmpfs, kept by this descriptor after the run's
+    mount namespace is gone). A relative path is relative to the working directory; an
+    absolute one must lie in ``/tmp``. Every component is opened without following
+    symlinks, below ``tmp_dir``, and must stay on the tmpfs; non-regular and too-large
+    files are skipped. Runs after every process of the run is dead (nothing can swap a
+    path under us), with the run's file-system uid (its files, its permissions).
     """
     files: dict[str, bytes] = {}
     notes: dict[str, str] = {}
     if not spec.fetch_files:
         return files, notes
-    tmp_dev = os.stat("/tmp").st_dev
+    tmp_dev = os.fstat(tmp_dir).st_dev
     linux.set_fs_ids(spec.uid, spec.uid)
     try:
         for name in spec.fetch_files:
-            why = _fetch_one(name, spec.max_fetch_file_bytes, tmp_dev, files)
+            why = _fetch_one(tmp_dir, tmp_dev, name, spec.max_fetch_file_bytes, files)
             if why:
                 notes[name] = why
     finally:
@@ -217,18 +296,29 @@ def _fetch(spec: RunSpec) -> tuple[dict[str, bytes], dict[str, str]]:
     return files, notes
 
 
-def _fetch_one(name: str, max_bytes: int, tmp_dev: int, files: dict[str, bytes]) -> str:
+def _fetch_one(tmp_dir: int, tmp_dev: int, name: str, max_bytes: int, files: dict[str, bytes]) -> str:
     if not name or "\x00" in name:
         return "invalid path"
-    path = os.path.realpath(os.path.join(run_process.WORKDIR, name))
+    path = posixpath.normpath(posixpath.join(run_process.WORKDIR, name))
     if not path.startswith("/tmp/"):
         return "outside the run's /tmp"
+    *dirs, leaf = path[len("/tmp/"):].split("/")
+    held: list[int] = []
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        current = tmp_dir
+        for part in dirs:
+            current = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=current)
+            held.append(current)
+        fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=current)
     except FileNotFoundError:
         return "not found"
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return "a symbolic link or not a directory on the way (links are not followed)"
         return f"not readable: {exc.strerror}"
+    finally:
+        for fd_ in held:
+            os.close(fd_)
     with os.fdopen(fd, "rb") as fh:
         st = os.fstat(fh.fileno())
         if st.st_dev != tmp_dev:

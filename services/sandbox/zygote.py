@@ -1,11 +1,13 @@
-"""A warm fork server: preloads the usual modules once, then forks one runner per request.
+"""A warm fork server: preloads the usual modules once, then forks one process per run and
+supervises all its runs from one event loop (``runner``).
 
 Runs on the runs' own interpreter (``runtime_python``), started by the service with a
 scrubbed environment (so no secret is in its memory or in ``/proc/<pid>/environ`` of
-anything forked from it). Invariants: the zygote is single-threaded when it forks, never
-runs model code itself, reaps its runners (SIGCHLD ignored), and dies with the service —
-the parent-death signal plus a check against the service's pid passed on the command
-line, which stays right when the service is pid 1 (as in a container).
+anything forked from it). Invariants: the zygote is single-threaded (so it forks from a
+known state and can move between pid namespaces), never runs model code itself, waits for
+every process it starts, and dies with the service — the parent-death signal plus a check
+against the service's pid passed on the command line, which stays right when the service
+is pid 1 (as in a container). Its runs die with it (their parent-death signal).
 
 Usage: ``python -m services.sandbox.zygote --socket PATH --parent-pid PID --preload math,numpy``
 """
@@ -13,6 +15,7 @@ Usage: ``python -m services.sandbox.zygote --socket PATH --parent-pid PID --prel
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import importlib
 import json
@@ -20,11 +23,13 @@ import os
 import resource
 import signal
 import socket
+import struct
 import sys
 
-from services.sandbox import linux
+from services.sandbox import linux, runner
+from services.sandbox.protocol import MAX_FRAME, RunOutcome, RunSpec, pack, unpack_body
 from services.sandbox.run_process import keep_tmp_runtime
-from services.sandbox.runner import create_slot_netns, serve_connection
+from services.sandbox.runner import create_slot_netns, remember_own_pid_namespace
 from services.sandbox.runtime_view import expose_runtime, remount_readonly, runtime_paths
 
 THREAD_STACK_BYTES = 8 * 1024 * 1024
@@ -80,7 +85,7 @@ def bind(sock_path: str) -> socket.socket:
 
 
 def serve(listener: socket.socket, ready: dict[str, object]) -> None:
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runners are reaped automatically
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # each run waits for its own processes
     gc.collect()
     gc.freeze()  # keep GC from touching (and un-sharing) the warm heap in every child
     sys.stdout.write("READY " + json.dumps(ready) + "\n")
@@ -88,19 +93,32 @@ def serve(listener: socket.socket, ready: dict[str, object]) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 1)
     os.close(devnull)
-    while True:
-        try:
-            conn, _ = listener.accept()
-        except InterruptedError:
-            continue
-        pid = os.fork()
-        if pid == 0:
-            listener.close()
-            try:
-                serve_connection(conn)
-            finally:
-                os._exit(0)
-        conn.close()
+    loop = asyncio.new_event_loop()  # not asyncio.run: no SIGINT handler of its own
+    loop.run_until_complete(_serve(listener))
+
+
+async def _serve(listener: socket.socket) -> None:
+    server = await asyncio.start_unix_server(_handle, sock=listener, backlog=4096)
+    await server.serve_forever()
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One request in, one outcome out; any failure here is the sandbox's (SandboxError)."""
+    try:
+        (length,) = struct.unpack(">I", await reader.readexactly(4))
+        if length > MAX_FRAME:
+            raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+        spec = RunSpec(**unpack_body(await reader.readexactly(length)))
+        outcome = await runner.execute(spec)
+    except Exception as exc:  # noqa: BLE001
+        outcome = RunOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
+    try:
+        writer.write(pack(outcome))
+        await writer.drain()
+    except OSError:
+        pass  # the service gave up on this run
+    finally:
+        writer.close()
 
 
 def _ensure_stack_room(stack_mb: int) -> None:
@@ -139,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     expose_runtime(paths)
     # every run's mount namespace is a copy of this read-only view
     remount_readonly(frozenset(m for m in args.writable.split(",") if m))
-    keep_tmp_runtime(paths)  # each run's tmpfs at /tmp would hide these
+    # each run's tmpfs at /tmp would hide these (also as reached through symlinks)
+    keep_tmp_runtime([*paths, sys.prefix, os.path.dirname(sys.executable)])
+    remember_own_pid_namespace()
     failed = preload([m for m in args.preload.split(",") if m])
     create_slot_netns([int(s) for s in args.netns_slots.split(",") if s])
     serve(listener, {"python": sys.executable, "version": sys.version.split()[0], "preload_failed": failed})

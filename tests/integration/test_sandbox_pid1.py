@@ -3,7 +3,7 @@ with only the capabilities ``preflight.CAPABILITIES`` names (no DAC override, no
 
 Checks the three ways that setup broke before: zygotes that exited at once because their
 parent was pid 1, runs that could not enter their working directory without
-``DAC_OVERRIDE``, and children inherited by pid 1 that nobody reaped."""
+``DAC_OVERRIDE``, and processes inherited by pid 1 that nobody reaped."""
 
 from __future__ import annotations
 
@@ -54,6 +54,20 @@ def _zombie_children(pid: int) -> list[int]:
     return zombies
 
 
+def _direct_children(pid: int) -> dict[int, str]:
+    """Direct children of ``pid`` and their command lines (processes that vanish are skipped)."""
+    found = {}
+    for child in descendants(pid):
+        try:
+            if int(_status(child, "PPid")) != pid:
+                continue
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                found[child] = fh.read().replace(b"\0", b" ").decode()
+        except (OSError, StopIteration, ValueError):
+            continue
+    return found
+
+
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -82,18 +96,21 @@ def test_sandbox_as_pid_1_with_only_its_capabilities(tmp_path):
         assert r["run_result"]["return_code"] == -9, r
         assert httpx.get(f"{sb.url}/healthz", timeout=10).json()["zygote_restarts"] == 0  # none exited
 
-        # a runner whose zygote dies still finishes its run; pid 1 (the service) then reaps it
+        # a zygote that dies takes its runs along; what it leaves behind comes to pid 1 (the
+        # service), which kills and reaps it, and the zygote is replaced
         result: dict = {}
         slow = threading.Thread(target=lambda: result.update(
-            run_code(sb.url, "import time\ntime.sleep(2)\nprint('finished')")))
+            run_code(sb.url, "import time\ntime.sleep(30)\nprint('finished')", run_timeout=40)))
         slow.start()
         _wait_for(lambda: httpx.get(f"{sb.url}/healthz", timeout=10).json()["in_flight"] == 1, 60, "the run")
-        direct = [p for p in descendants(service) if int(_status(p, "PPid")) == service]
-        for zygote in direct:
+        zygote_pids = [p for p, cmd in _direct_children(service).items() if "services.sandbox.zygote" in cmd]
+        assert len(zygote_pids) == 2
+        for zygote in zygote_pids:
             os.kill(zygote, signal.SIGKILL)
         slow.join(120)
-        assert stdout_of(result) == "finished\n", result
-        _wait_for(lambda: not _zombie_children(service), 30, "pid 1 to reap the orphaned runner")
+        assert result["status"] == "SandboxError", result
+        _wait_for(lambda: all("services.sandbox.zygote" in cmd for cmd in _direct_children(service).values()),
+                  30, "pid 1 to kill and reap what the dead zygotes left")
         _wait_for(lambda: httpx.get(f"{sb.url}/healthz", timeout=10).json()["zygotes_alive"] == 2, 120,
                   "the zygotes to be restarted")
         assert stdout_of(run_code(sb.url, "print(6 * 7)")) == "42\n"
