@@ -108,10 +108,16 @@ async def execute(spec: RunSpec) -> RunOutcome:
     tmp_dir = -1
     try:
         out, err = CappedBuffer(spec.max_output_bytes), CappedBuffer(spec.max_output_bytes)
-        streams = {fds.out_r: out, fds.err_r: err}
-        collector = _Collector(pid, init, start + spec.timeout_s, spec.stdin, streams, fds.in_w)
-        fds.out_r = fds.err_r = fds.in_w = -1  # the collector closes them
-        timed_out, ended = await collector.wait()
+        try:
+            streams = {fds.out_r: out, fds.err_r: err}
+            collector = _Collector(pid, init, start + spec.timeout_s, spec.stdin, streams, fds.in_w)
+            fds.out_r = fds.err_r = fds.in_w = -1  # the collector closes them
+            timed_out, ended = await collector.wait()
+        except BaseException:  # never leave a run running, or unwaited, behind
+            _kill_init(init)
+            await _reaped(pid)
+            await _reaped(init)
+            raise
         _, wait_status = os.waitpid(pid, 0)  # has exited: the collector saw it
         await _reaped(init)
         setup_error = _read_all(fds.st_r).decode(errors="replace")
