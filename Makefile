@@ -5,12 +5,21 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The sandbox runs' own environment (runtime_python 'auto' finds it), separate from the service's.
+RUNTIME_VENV := .venv-runtime
+RUNTIME_REQS := services/sandbox/runtime-requirements.txt
+RUNTIME_STAMP := $(RUNTIME_VENV)/.installed
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(RUNTIME_STAMP)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
+
+$(RUNTIME_STAMP): $(RUNTIME_REQS)
+	test -x $(RUNTIME_VENV)/bin/python || $(PYTHON) -m venv $(RUNTIME_VENV)
+	$(RUNTIME_VENV)/bin/pip install -q -r $(RUNTIME_REQS)
+	touch $(RUNTIME_STAMP)
 
 .PHONY: install demo test lint bench
 install: $(STAMP)

@@ -4,7 +4,8 @@ Every request writes the code to a fresh temp dir and runs ``python file.py`` th
 new process (no warm interpreter), at most ``--concurrency`` at once. No isolation is
 added, which only flatters the baseline.
 
-Usage: ``python bench/baseline_sandbox.py --port P [--concurrency 128]``
+Usage: ``python bench/baseline_sandbox.py --port P [--concurrency 128] [--python PATH]``
+(``--python``: the interpreter that runs the code; the bench passes the sandbox's runtime)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fastapi import FastAPI
 from services.sandbox.schemas import CommandRunResult, RunCodeRequest, RunCodeResponse
 
 
-def create_app(concurrency: int) -> FastAPI:
+def create_app(concurrency: int, python: str = sys.executable) -> FastAPI:
     app = FastAPI()
     sem = asyncio.Semaphore(concurrency)
 
@@ -39,7 +40,7 @@ def create_app(concurrency: int) -> FastAPI:
                     fh.write(req.code)
                 start = time.perf_counter()
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, path, cwd=tmp, stdin=asyncio.subprocess.PIPE,
+                    python, path, cwd=tmp, stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
                 try:
                     out, err = await asyncio.wait_for(
@@ -63,7 +64,8 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--python", default=sys.executable)
     a = parser.parse_args()
     # asyncio loop: uvloop mishandles communicate() on processes that exit before reading stdin
-    uvicorn.run(create_app(a.concurrency), host=a.host, port=a.port, log_level="warning", backlog=4096,
-                loop="asyncio")
+    uvicorn.run(create_app(a.concurrency, a.python), host=a.host, port=a.port, log_level="warning",
+                backlog=4096, loop="asyncio")

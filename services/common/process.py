@@ -46,8 +46,10 @@ class ServiceProcess:
 
     def __init__(self, args: Sequence[str], *, port: int | None = None, host: str = "127.0.0.1",
                  env: Mapping[str, str] | None = None, health_path: str = "/healthz",
-                 startup_timeout_s: float = 90.0, log_path: str | Path | None = None) -> None:
+                 startup_timeout_s: float = 90.0, log_path: str | Path | None = None,
+                 wrapper: Sequence[str] = ()) -> None:
         self.host = host
+        self.wrapper = list(wrapper)  # e.g. ["unshare", "--pid", "--fork", ...]: runs the service under it
         self.port = port or free_port(host)
         self.args = [*args, "--host", host, "--port", str(self.port)]
         self.env = {**os.environ, **(env or {})}
@@ -66,7 +68,7 @@ class ServiceProcess:
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
             out = self._log
-        self.proc = subprocess.Popen([sys.executable, "-m", "services.cli", *self.args],
+        self.proc = subprocess.Popen([*self.wrapper, sys.executable, "-m", "services.cli", *self.args],
                                      env=self.env, stdout=out, stderr=out, start_new_session=True)
         try:
             wait_http_healthy(self.url + self.health_path, self.startup_timeout_s, self.proc)

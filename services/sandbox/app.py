@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from services.common.metrics import MetricsRegistry, add_observability_routes
@@ -23,7 +23,8 @@ class SandboxMetrics:
         self.latency = self.registry.histogram("execution_seconds", "Run latency incl. queueing")
         self.in_flight = self.registry.gauge("executions_in_flight", "Runs executing now")
         self.queue_depth = self.registry.gauge("queue_depth", "Requests waiting for a slot")
-        self.rejections = self.registry.counter("rejections_total", "Requests refused", ("reason",))
+        self.rejections = self.registry.counter("rejections_total", "Requests answered 504 (busy)",
+                                                ("reason",))
         self.truncations = self.registry.counter("output_truncations_total", "Runs with capped output")
         for status in RunStatus:  # export every known label value from the start (0, not absent)
             self.requests.labels(status.value)
@@ -51,39 +52,32 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
     def health() -> dict[str, object]:
         alive = executor.healthy_zygotes
         return {"status": "ok" if alive > 0 else "degraded", "zygotes_alive": alive,
-                "zygotes": len(executor.zygotes), "in_flight": executor.stats.in_flight,
+                "zygotes": len(executor.zygotes),
+                "zygote_restarts": sum(z.restarts for z in executor.zygotes),
+                "in_flight": executor.stats.in_flight,
                 "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
-                "cgroups": executor.cgroups.version if executor.cgroups else None}
+                "cgroups": executor.cgroups.version if executor.cgroups else None,
+                "runtime": executor.runtime_info()}
 
     add_observability_routes(app, metrics.registry, health)
 
     @app.post("/run_code", response_model=RunCodeResponse)
-    async def run_code(req: RunCodeRequest) -> RunCodeResponse | JSONResponse:
-        if req.run_timeout is not None and req.run_timeout > cfg.max_run_timeout_s:
-            return _unprocessable("run_timeout", f"run_timeout {req.run_timeout} exceeds the maximum "
-                                                 f"{cfg.max_run_timeout_s} s")
-        if req.memory_limit_MB > cfg.max_memory_mb:
-            return _unprocessable("memory_limit_MB", f"memory_limit_MB {req.memory_limit_MB} exceeds "
-                                                     f"the maximum {cfg.max_memory_mb}")
+    async def run_code(req: RunCodeRequest, response: Response) -> RunCodeResponse | JSONResponse:
         start = time.perf_counter()
         try:
             resp = await executor.run(req)
-        except QueueFull as exc:
-            metrics.rejections.labels("queue_full").inc()
-            return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
-        except QueueTimeout as exc:
-            metrics.rejections.labels("queue_timeout").inc()
-            return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        except (QueueFull, QueueTimeout) as exc:
+            # 504 is the one status verl's client retries (SandboxFusion's client retries any)
+            reason = "queue_full" if isinstance(exc, QueueFull) else "queue_timeout"
+            metrics.rejections.labels(reason).inc()
+            return JSONResponse({"detail": str(exc)}, status_code=504, headers={"Retry-After": "1"})
         metrics.latency.observe(time.perf_counter() - start)
         metrics.requests.labels(resp.status.value).inc()
         if resp.run_result and "[output truncated:" in ((resp.run_result.stdout or "")
                                                          + (resp.run_result.stderr or "")):
             metrics.truncations.inc()
+        if resp.message and resp.status != RunStatus.SandboxError:
+            response.headers["X-Sandbox-Notes"] = resp.message.encode("ascii", "backslashreplace").decode()
         return resp
 
     return app
-
-
-def _unprocessable(field: str, msg: str) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"detail": [
-        {"type": "value_error", "loc": ["body", field], "msg": msg}]})

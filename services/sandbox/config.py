@@ -6,15 +6,19 @@ from pydantic import Field, model_validator
 
 from services.common.config import StrictModel
 
-DEFAULT_PRELOAD = (
-    "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
-    "statistics", "re", "json", "heapq", "bisect", "string", "numbers", "operator", "numpy", "sympy",
-)
-
 LIGHT_PRELOAD = (
     "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
     "statistics", "re", "json", "heapq", "bisect", "string", "operator",
 )
+
+DEFAULT_PRELOAD = (*LIGHT_PRELOAD, "numbers", "numpy", "sympy", "mpmath")
+
+HEAVY_PRELOAD = (
+    *DEFAULT_PRELOAD, "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate",
+    "scipy.interpolate", "scipy.stats", "pandas", "networkx",
+)
+
+MAX_OUTPUT_CAP = 1024 * 1024  # SandboxFusion returns at most 1 MB of each stream
 
 
 class SandboxConfig(StrictModel):
@@ -23,23 +27,36 @@ class SandboxConfig(StrictModel):
     log_level: str = "INFO"
 
     max_concurrency: int = Field(128, ge=1, le=4096, description="executions running at once")
-    max_queue: int = Field(1024, ge=0, description="requests waiting for a slot; beyond -> 429")
-    queue_timeout_s: float = Field(60.0, gt=0, description="longest wait for a slot before 503")
+    max_queue: int = Field(1024, ge=0, description="requests waiting for a slot; beyond -> 504 at once")
+    queue_timeout_s: float = Field(30.0, gt=0, description=(
+        "longest wait for a slot before 504 (which verl's client retries); a request also waits "
+        "at most its compile_timeout + 5 s, so that the answer comes within verl's read timeout "
+        "(compile_timeout + run_timeout + 10 s)"))
 
     default_memory_mb: int = Field(1024, ge=16)
-    max_memory_mb: int = Field(4096, ge=16)
+    max_memory_mb: int = Field(4096, ge=16, description="larger requests are clamped (and told so)")
     default_run_timeout_s: float = Field(10.0, gt=0)
-    max_run_timeout_s: float = Field(60.0, gt=0)
-    max_output_bytes: int = Field(64 * 1024, ge=64, description="per stream (stdout, stderr)")
+    max_run_timeout_s: float = Field(60.0, gt=0, description="longer requests are clamped (and told so)")
+    stack_limit_mb: int = Field(0, ge=0, description=(
+        "stack of a run's main thread; 0 = the run's memory limit (as SandboxFusion sets it)"))
+    max_output_bytes: int = Field(MAX_OUTPUT_CAP, ge=64, le=MAX_OUTPUT_CAP,
+                                  description="per stream (stdout, stderr); head and tail kept")
     max_processes: int = Field(32, ge=1, description="processes/threads one run may have at once")
     workdir_size_mb: int = Field(64, ge=1, description="size of each run's private tmpfs")
     max_fetch_file_bytes: int = Field(8 * 1024 * 1024, ge=0)
 
+    runtime_python: str = Field("auto", description=(
+        "interpreter of the runs' Python environment (numpy, sympy, scipy, pandas, networkx, ...), "
+        "separate from the service's own; 'auto' = .venv-runtime/bin/python beside the package "
+        "if it exists, else the service's interpreter (with a warning)"))
     preload_modules: list[str] = Field(default_factory=lambda: list(DEFAULT_PRELOAD))
     zygotes: int = Field(2, ge=1, le=64, description="warm fork servers with preload_modules")
     light_zygotes: int = Field(2, ge=0, le=64, description="warm fork servers with only the standard "
                                "library, for code that imports nothing else (cheaper fork); 0 = off")
     light_preload_modules: list[str] = Field(default_factory=lambda: list(LIGHT_PRELOAD))
+    heavy_zygotes: int = Field(1, ge=0, le=64, description="warm fork servers that also hold scipy, "
+                               "pandas, networkx (dearer fork, used only by code importing them); 0 = off")
+    heavy_preload_modules: list[str] = Field(default_factory=lambda: list(HEAVY_PRELOAD))
     uid_base: int = Field(61000, ge=1000, description="run i uses uid/gid uid_base + slot")
     use_cgroups: bool = Field(True, description="per-run cgroup for total memory/pids when available")
     cgroup_slack_mb: int = Field(256, ge=0, description="cgroup memory beyond memory limit + tmpfs, for "
@@ -56,3 +73,11 @@ class SandboxConfig(StrictModel):
             raise ValueError(f"default_run_timeout_s ({self.default_run_timeout_s}) exceeds "
                              f"max_run_timeout_s ({self.max_run_timeout_s})")
         return self
+
+    @property
+    def max_stack_mb(self) -> int:
+        """The largest stack any run may get: the zygotes are started with this stack limit."""
+        return self.stack_limit_mb or self.max_memory_mb
+
+    def stack_mb_for(self, memory_mb: int) -> int:
+        return min(self.stack_limit_mb, memory_mb) if self.stack_limit_mb else memory_mb

@@ -1,11 +1,14 @@
-"""Service-side execution: warm zygote processes, run slots, and the status mapping.
+"""Service-side execution: zygote pools, run slots, admission, and the status mapping.
 
 Invariants:
 - at most ``max_concurrency`` runs execute at once; each holds a slot whose uid no other
-  concurrent run has; at most ``max_queue`` requests wait; beyond that ``QueueFull`` is
-  raised at once (the API answers 429) — a request never hangs;
-- a zygote that dies is restarted; a run whose zygote fails is a ``SandboxError``, never
-  a crash of the service.
+  concurrent run has;
+- a request waits for a slot at most ``limits.queue_wait_s`` and at most ``max_queue``
+  requests wait; beyond either, ``QueueFull``/``QueueTimeout`` (the API answers 504, the
+  one status verl's client retries) — a request never hangs;
+- a zygote that dies is restarted; its runs die with it and answer ``SandboxError``, never
+  a crash of the service; what it leaves behind comes to the service (a child subreaper,
+  or pid 1 in a container) and is killed and reaped.
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ import asyncio
 import base64
 import contextlib
 import os
-import struct
-import sys
+import resource
+import shutil
+import signal
 import tempfile
 from dataclasses import dataclass
 
 from services.common.logging import get_logger
+from services.sandbox import linux
+from services.sandbox.capture import decode_output
 from services.sandbox.cgroups import CgroupPlan
 from services.sandbox.config import SandboxConfig
-from services.sandbox.protocol import RunOutcome, RunSpec, pack, unpack_body
-from services.sandbox.routing import runs_on_light
+from services.sandbox.limits import RunLimits, queue_wait_s, resolve_limits
+from services.sandbox.protocol import RunOutcome, RunSpec
+from services.sandbox.routing import choose_pool, top_level
+from services.sandbox.runtime_env import resolve_runtime_python, stage_package
 from services.sandbox.schemas import (
     CommandRunResult,
     CommandRunStatus,
@@ -31,14 +39,10 @@ from services.sandbox.schemas import (
     RunCodeResponse,
     RunStatus,
 )
-from services.sandbox.user_main import RUN_ENV
+from services.sandbox.zygote_process import Zygote
 
 log = get_logger("sandbox.executor")
-
-# What a zygote (and so every run) may see of the environment: nothing secret.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_ZYGOTE_ENV = {**RUN_ENV, "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
-_REPLY_GRACE_S = 15.0
+POD_NAME = os.environ.get("MY_POD_NAME")  # reported as executor_pod_name, as SandboxFusion does
 
 
 class QueueFull(Exception):
@@ -46,57 +50,7 @@ class QueueFull(Exception):
 
 
 class QueueTimeout(Exception):
-    """Waited ``queue_timeout_s`` for a slot."""
-
-
-class Zygote:
-    def __init__(self, name: str, sock_dir: str, preload: list[str], writable: list[str],
-                 slots: list[int]) -> None:
-        self.name = name
-        self.writable = writable
-        self.slots = slots
-        self.sock_path = os.path.join(sock_dir, f"zygote-{name}.sock")
-        self.preload = preload
-        self.proc: asyncio.subprocess.Process | None = None
-        self.restarts = 0
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    async def start(self, timeout_s: float = 120.0) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.sock_path)
-        env = {**_ZYGOTE_ENV, "PYTHONPATH": _PACKAGE_ROOT}
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.sandbox.zygote", "--socket", self.sock_path,
-            "--preload", ",".join(self.preload), "--writable", ",".join(self.writable),
-            "--netns-slots", ",".join(map(str, self.slots)), env=env,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, cwd="/")
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
-        if line.strip() != b"READY":
-            raise RuntimeError(f"zygote {self.name} failed to start (exit code {self.proc.returncode})")
-
-    async def stop(self) -> None:
-        if self.alive:
-            assert self.proc is not None
-            self.proc.kill()
-            await self.proc.wait()
-
-    async def run(self, spec: RunSpec) -> RunOutcome:
-        reader, writer = await asyncio.open_unix_connection(self.sock_path)
-        try:
-            writer.write(pack(spec))
-            await writer.drain()
-            async with asyncio.timeout(spec.timeout_s + _REPLY_GRACE_S):
-                (length,) = struct.unpack(">I", await reader.readexactly(4))
-                body = await reader.readexactly(length)
-            return RunOutcome(**unpack_body(body))
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    """Waited as long as the request may for a slot."""
 
 
 @dataclass
@@ -105,11 +59,20 @@ class ExecStats:
     queued: int = 0
 
 
+@dataclass
+class Pool:
+    name: str
+    warm: frozenset[str]  # top-level modules preloaded by its zygotes
+    zygotes: list[Zygote]
+
+
 class Executor:
     def __init__(self, cfg: SandboxConfig) -> None:
         self.cfg = cfg
+        self.runtime_python = resolve_runtime_python(cfg.runtime_python)
         self._sock_dir = tempfile.mkdtemp(prefix="retool-sandbox-")
         os.chmod(self._sock_dir, 0o700)
+        self._stage = stage_package()
         self.cgroups = CgroupPlan.detect(f"retool-sandbox-{os.getpid()}") if cfg.use_cgroups else None
         if cfg.use_cgroups and self.cgroups is None:
             log.warning("cgroups unavailable: memory and process limits apply per process only")
@@ -117,23 +80,34 @@ class Executor:
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])
         writable = sorted(self.cgroups.mount_points()) if self.cgroups else []
-        def slots_of(index: int, pool_size: int) -> list[int]:  # run slot s goes to zygote s % pool_size
-            return list(range(index, cfg.max_concurrency, pool_size))
 
-        self.full = [Zygote(f"full-{i}", self._sock_dir, cfg.preload_modules, writable,
-                            slots_of(i, cfg.zygotes)) for i in range(cfg.zygotes)]
-        self.light = [Zygote(f"light-{i}", self._sock_dir, cfg.light_preload_modules, writable,
-                             slots_of(i, cfg.light_zygotes)) for i in range(cfg.light_zygotes)]
-        self.zygotes = self.full + self.light
-        self._light_modules = frozenset(cfg.light_preload_modules)
+        def pool(name: str, preload: list[str], count: int) -> Pool:
+            zygotes = [Zygote(f"{name}-{i}", python=self.runtime_python, package_stage=self._stage,
+                              sock_dir=self._sock_dir, preload=preload, writable=writable,
+                              slots=list(range(i, cfg.max_concurrency, count)), stack_mb=cfg.max_stack_mb)
+                       for i in range(count)]  # run slot s goes to zygote s % count
+            return Pool(name, top_level(preload), zygotes)
+
+        candidates = [pool("light", cfg.light_preload_modules, cfg.light_zygotes),
+                      pool("full", cfg.preload_modules, cfg.zygotes),
+                      pool("heavy", cfg.heavy_preload_modules, cfg.heavy_zygotes)]
+        self.pools = [p for p in candidates if p.zygotes]  # cheapest first; "full" always exists
+        self.zygotes = [z for p in self.pools for z in p.zygotes]
+        self._default_pool = next(i for i, p in enumerate(self.pools) if p.name == "full")
         self._slots: asyncio.Queue[int] = asyncio.Queue()
         self.stats = ExecStats()
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        _check_stack_limit(self.cfg.max_stack_mb)
+        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)  # a dead zygote's leftovers come to us
         for slot in range(self.cfg.max_concurrency):
             self._slots.put_nowait(slot)
         await asyncio.gather(*(z.start() for z in self.zygotes))
+        for z in self.zygotes:
+            if z.info.get("preload_failed"):
+                log.warning("zygote could not preload modules", extra={
+                    "zygote": z.name, "modules": z.info["preload_failed"], "python": z.info.get("python")})
         self._watchdog = asyncio.create_task(self._watch())
 
     async def stop(self) -> None:
@@ -142,14 +116,13 @@ class Executor:
         await asyncio.gather(*(z.stop() for z in self.zygotes))
         if self.cgroups is not None:
             self.cgroups.remove()
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self._sock_dir):
-                os.unlink(os.path.join(self._sock_dir, name))
-            os.rmdir(self._sock_dir)
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+        shutil.rmtree(self._stage, ignore_errors=True)
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            clean_orphans({z.pid for z in self.zygotes if z.pid is not None})
             for z in self.zygotes:
                 if not z.alive:
                     log.warning("zygote died; restarting", extra={"zygote": z.name})
@@ -161,45 +134,50 @@ class Executor:
     def healthy_zygotes(self) -> int:
         return sum(z.alive for z in self.zygotes)
 
-    async def _acquire_slot(self) -> int:
+    def runtime_info(self) -> dict[str, object]:
+        failed = sorted({str(m) for z in self.zygotes for m in z.info.get("preload_failed", [])})  # type: ignore[attr-defined]
+        return {"python": self.runtime_python, "preload_failed": failed,
+                "pools": {p.name: len(p.zygotes) for p in self.pools}}
+
+    async def _acquire_slot(self, wait_s: float) -> int:
         with contextlib.suppress(asyncio.QueueEmpty):
             return self._slots.get_nowait()
         if self.stats.queued >= self.cfg.max_queue:
             raise QueueFull(f"sandbox busy: {self.cfg.max_concurrency} runs in flight and "
-                            f"{self.stats.queued} queued (max_queue={self.cfg.max_queue})")
+                            f"{self.stats.queued} queued (max_queue={self.cfg.max_queue}); retry later")
         self.stats.queued += 1
         try:
-            return await asyncio.wait_for(self._slots.get(), self.cfg.queue_timeout_s)
+            return await asyncio.wait_for(self._slots.get(), wait_s)
         except TimeoutError:
-            raise QueueTimeout(
-                f"no execution slot within queue_timeout_s={self.cfg.queue_timeout_s}") from None
+            raise QueueTimeout(f"sandbox busy: no execution slot within {wait_s:g} s; retry later") from None
         finally:
             self.stats.queued -= 1
 
-    def spec_for(self, req: RunCodeRequest, slot: int) -> RunSpec:
+    def spec_for(self, req: RunCodeRequest, limits: RunLimits, slot: int) -> RunSpec:
         cfg = self.cfg
-        memory = req.memory_limit_MB if req.memory_limit_MB > 0 else cfg.default_memory_mb
         cg = self._slot_cgroups[slot] if self._slot_cgroups else None
         # the whole run: its memory limit, its tmpfs, and pages it copies from the zygote
-        limits = ((memory + cfg.workdir_size_mb + cfg.cgroup_slack_mb) * 2**20, cfg.max_processes)
-        write = cg is not None and self._slot_limits.get(slot) != limits
+        run_mb = limits.memory_mb + cfg.workdir_size_mb + cfg.cgroup_slack_mb
+        cg_limits = (run_mb * 2**20, cfg.max_processes)
+        write = cg is not None and self._slot_limits.get(slot) != cg_limits
         if write:
-            self._slot_limits[slot] = limits
+            self._slot_limits[slot] = cg_limits
         return RunSpec(cgroup_limits=cg.limits if write and cg else {}, cgroup_procs=cg.procs if cg else [],
-                       cgroup_memory_bytes=limits[0], code=req.code, stdin=(req.stdin or "").encode(),
-                       files=req.decoded_files(),
-                       fetch_files=req.fetch_files, timeout_s=req.run_timeout or cfg.default_run_timeout_s,
-                       memory_mb=memory, uid=cfg.uid_base + slot, slot=slot,
-                       max_output_bytes=cfg.max_output_bytes,
-                       max_processes=cfg.max_processes, workdir_size_mb=cfg.workdir_size_mb,
-                       max_fetch_file_bytes=cfg.max_fetch_file_bytes)
+                       cgroup_memory_bytes=cg_limits[0], code=req.code, stdin=(req.stdin or "").encode(),
+                       files=req.decoded_files(), fetch_files=list(req.fetch_files),
+                       timeout_s=limits.timeout_s, memory_mb=limits.memory_mb,
+                       stack_bytes=limits.stack_mb * 2**20, uid=cfg.uid_base + slot, slot=slot,
+                       max_output_bytes=cfg.max_output_bytes, max_processes=cfg.max_processes,
+                       workdir_size_mb=cfg.workdir_size_mb, max_fetch_file_bytes=cfg.max_fetch_file_bytes)
 
     async def run(self, req: RunCodeRequest) -> RunCodeResponse:
-        slot = await self._acquire_slot()
+        limits = resolve_limits(req, self.cfg)
+        slot = await self._acquire_slot(queue_wait_s(req, self.cfg))
         self.stats.in_flight += 1
         try:
-            spec = self.spec_for(req, slot)
-            pool = self.light if self.light and runs_on_light(req.code, self._light_modules) else self.full
+            spec = self.spec_for(req, limits, slot)
+            chosen = choose_pool(req.code, [p.warm for p in self.pools], self._default_pool)
+            pool = self.pools[chosen].zygotes
             zygote = pool[slot % len(pool)]
             if not zygote.alive:  # being restarted: any live zygote gives the same result
                 zygote = next((z for z in self.zygotes if z.alive), zygote)
@@ -209,25 +187,67 @@ class Executor:
                 outcome = RunOutcome(ok=False, error=f"executor unavailable: {type(exc).__name__}: {exc}")
             if not outcome.ok:
                 self._slot_limits.pop(slot, None)  # unknown state: write the limits again next time
-            return to_response(outcome)
+            return to_response(outcome, limits.notes)
         finally:
             self.stats.in_flight -= 1
             self._slots.put_nowait(slot)
 
 
-def to_response(outcome: RunOutcome) -> RunCodeResponse:
-    """SandboxFusion's mapping: exit 0 -> Success; non-zero or timeout -> Failed; ours -> SandboxError."""
+def _check_stack_limit(stack_mb: int) -> None:
+    """Zygotes raise their stack limit for the largest run stack (zygote.py), up to the hard limit."""
+    _, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    want = stack_mb * 2**20
+    if hard != resource.RLIM_INFINITY and hard < want:
+        log.warning("RLIMIT_STACK hard limit is below the largest run stack; deep recursion is "
+                    "capped there", extra={"hard_bytes": hard, "wanted_bytes": want})
+
+
+def clean_orphans(keep: set[int]) -> int:
+    """Kill and reap every child that is not ``keep`` (the zygotes asyncio waits for).
+
+    Any other child is something a dead zygote left behind: the ``sleep`` holding a run's
+    pid namespace (the run's own processes stay in that namespace, with it as their
+    reaper), handed to us as the subreaper (or as pid 1 in a container). Returns how many
+    were reaped.
+    """
+    reaped = 0
+    for child in _children() - keep:
+        try:
+            with open(f"/proc/{child}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)  # a run's init (root): its whole namespace ends
+            continue
+        with contextlib.suppress(ChildProcessError):
+            reaped += os.waitpid(child, os.WNOHANG)[0] == child
+    return reaped
+
+
+def _children() -> set[int]:
+    pids: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as fh:
+                pids.update(int(p) for p in fh.read().split())
+    return pids
+
+
+def to_response(outcome: RunOutcome, notes: tuple[str, ...] = ()) -> RunCodeResponse:
+    """SandboxFusion's mapping: exit 0 -> Success; non-zero, signal or timeout -> Failed;
+    ours -> SandboxError. ``message`` carries what was adjusted or skipped (else empty)."""
+    skipped = (f"fetch_files {path!r} skipped: {why}" for path, why in outcome.fetch_notes.items())
+    messages = [*notes, *skipped]
     if not outcome.ok:
-        return RunCodeResponse(status=RunStatus.SandboxError, message=outcome.error)
-    stdout = outcome.stdout.decode("utf-8", errors="replace")
-    stderr = outcome.stderr.decode("utf-8", errors="replace")
+        return RunCodeResponse(status=RunStatus.SandboxError, message="; ".join([outcome.error, *messages]),
+                               executor_pod_name=POD_NAME)
     files = {p: base64.b64encode(d).decode() for p, d in outcome.files.items()}
-    if outcome.timed_out:
-        result = CommandRunResult(status=CommandRunStatus.TimeLimitExceeded,
-                                  execution_time=outcome.execution_time, return_code=None,
-                                  stdout=stdout, stderr=stderr)
-        return RunCodeResponse(status=RunStatus.Failed, message="", run_result=result, files=files)
-    result = CommandRunResult(status=CommandRunStatus.Finished, execution_time=outcome.execution_time,
-                              return_code=outcome.return_code, stdout=stdout, stderr=stderr)
-    status = RunStatus.Success if outcome.return_code == 0 else RunStatus.Failed
-    return RunCodeResponse(status=status, message="", run_result=result, files=files)
+    result = CommandRunResult(
+        status=CommandRunStatus.TimeLimitExceeded if outcome.timed_out else CommandRunStatus.Finished,
+        execution_time=outcome.execution_time, return_code=None if outcome.timed_out else outcome.return_code,
+        stdout=decode_output(outcome.stdout), stderr=decode_output(outcome.stderr))
+    status = RunStatus.Success if not outcome.timed_out and outcome.return_code == 0 else RunStatus.Failed
+    return RunCodeResponse(status=status, message="; ".join(messages), run_result=result, files=files,
+                           executor_pod_name=POD_NAME)

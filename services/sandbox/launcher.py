@@ -9,5 +9,7 @@ from services.common.process import ServiceProcess
 
 class SandboxProcess(ServiceProcess):
     def __init__(self, extra_args: Sequence[str] = (), *, port: int | None = None,
-                 env: Mapping[str, str] | None = None, log_path: str | None = None) -> None:
-        super().__init__(["sandbox", "serve", *extra_args], port=port, env=env, log_path=log_path)
+                 env: Mapping[str, str] | None = None, log_path: str | None = None,
+                 wrapper: Sequence[str] = ()) -> None:
+        super().__init__(["sandbox", "serve", *extra_args], port=port, env=env, log_path=log_path,
+                         wrapper=wrapper)

@@ -14,6 +14,9 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.setfsuid.argtypes = [ctypes.c_uint]
+_libc.setfsgid.argtypes = [ctypes.c_uint]
+_libc.pthread_attr_setstacksize.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -32,6 +35,7 @@ MS_REC = 16384
 MS_PRIVATE = 1 << 18
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 
 
@@ -58,6 +62,34 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
 
 def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, arg, 0, 0, 0), "prctl")
+
+
+def set_fs_ids(uid: int, gid: int) -> None:
+    """Check file access as ``uid``/``gid`` (``setfsuid``/``setfsgid``); ``0, 0`` restores root.
+
+    Unlike ``setresuid`` this is reversible, so the zygote can read a run's files the way
+    their owner would, without holding ``CAP_DAC_OVERRIDE``. Raises if the change did not take.
+    """
+    _libc.setfsgid(gid)
+    _libc.setfsuid(uid)
+    if _libc.setfsuid(0xFFFFFFFF) != uid or _libc.setfsgid(0xFFFFFFFF) != gid:  # -1 only queries
+        raise OSError(1, f"setfsuid/setfsgid to {uid}/{gid} did not take effect")
+
+
+def set_default_thread_stack(size: int) -> None:
+    """Stack size of threads created without an explicit size (glibc's process-wide default).
+
+    glibc derives that default from ``RLIMIT_STACK`` at exec time; the zygotes are started
+    with a large stack limit (so a run's main thread may recurse deeply), which would
+    otherwise give every thread a stack that large.
+    """
+    attr = ctypes.create_string_buffer(256)  # >= sizeof(pthread_attr_t) (56 on x86-64)
+    for name, args in (("pthread_attr_init", (attr,)), ("pthread_attr_setstacksize", (attr, size)),
+                       ("pthread_setattr_default_np", (attr,))):
+        err = getattr(_libc, name)(*args)
+        if err:
+            raise OSError(err, f"{name}: {os.strerror(err)}")
+    _libc.pthread_attr_destroy(attr)
 
 
 def mount_points() -> list[tuple[str, set[str]]]:

@@ -1,4 +1,18 @@
-"""Refuse to start without the privileges the per-run isolation needs (fail closed)."""
+"""Refuse to start without what the per-run isolation needs (fail closed).
+
+Capabilities the service needs inside its container (all others can be dropped), and why:
+
+- ``SYS_ADMIN``: create each run's mount/pid/ipc/uts/network namespaces, mount its tmpfs
+  and ``/proc``, remount the inherited filesystem view read-only;
+- ``SETUID``: drop each run to its own uid (``setresuid``), and read a run's files with its
+  file-system uid (``setfsuid``) when fetching them;
+- ``SETGID``: the same for the run's gid (``setresgid``, ``setgroups([])``, ``setfsgid``);
+- ``CHOWN``: hand the run's working directory and input files to the run's uid.
+
+Not needed: ``DAC_OVERRIDE``/``DAC_READ_SEARCH`` (the working directory is entered before
+it is handed over; fetched files are read as their owner), ``KILL`` (a run is ended by
+killing its pid-namespace init, a root process; the kernel kills the rest).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +20,21 @@ import os
 
 from services.common.config import ConfigError
 from services.sandbox.config import SandboxConfig
+from services.sandbox.runner import SLEEP
+
+CAPABILITIES = ("SYS_ADMIN", "SETUID", "SETGID", "CHOWN")
 
 
 def check_isolation_available(cfg: SandboxConfig) -> None:
+    if not SLEEP:
+        raise ConfigError("the sandbox needs coreutils' sleep (/usr/bin/sleep or /bin/sleep): it holds "
+                          "each run's pid namespace")
     if not cfg.require_isolation:
         return
     if os.geteuid() != 0:
         raise ConfigError(
-            "the sandbox needs root inside its container (capabilities SYS_ADMIN for namespaces and "
-            "mounts, SETUID/SETGID to drop each run to its own uid); it runs the model's code as "
+            f"the sandbox needs root inside its container (capabilities {', '.join(CAPABILITIES)}; see "
+            "services/sandbox/preflight.py for why each); it runs the model's code as "
             f"uid {cfg.uid_base}+slot, never as root. Current euid is {os.geteuid()}.")
     top = cfg.uid_base + cfg.max_concurrency
     if top > 2**31 - 2:

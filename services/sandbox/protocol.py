@@ -8,7 +8,6 @@ where requests are validated; a map with an unknown or missing field fails here 
 
 from __future__ import annotations
 
-import socket
 import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,9 +30,10 @@ class RunSpec:
     max_processes: int
     workdir_size_mb: int
     max_fetch_file_bytes: int
+    stack_bytes: int = 8 * 1024 * 1024
     stdin: bytes = b""
     files: dict[str, bytes] = field(default_factory=dict)
-    fetch_files: list[str] = field(default_factory=list)
+    fetch_files: list[str] = field(default_factory=list)  # as requested; checked one by one at fetch
     cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind; empty: unchanged
     cgroup_procs: list[str] = field(default_factory=list)  # join these; empty: no cgroups
     cgroup_memory_bytes: int = 0
@@ -51,6 +51,7 @@ class RunOutcome:
     stdout_truncated: int = 0
     stderr_truncated: int = 0
     files: dict[str, bytes] = field(default_factory=dict)
+    fetch_notes: dict[str, str] = field(default_factory=dict)  # requested path -> why it is absent
 
 
 def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:
@@ -62,20 +63,3 @@ def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:
 
 def unpack_body(body: bytes) -> dict[str, Any]:
     return msgpack.unpackb(body, raw=False)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection mid-frame")
-        buf += chunk
-    return bytes(buf)
-
-
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (length,) = struct.unpack(">I", recv_exact(sock, 4))
-    if length > MAX_FRAME:
-        raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    return unpack_body(recv_exact(sock, length))

@@ -1,16 +1,19 @@
 """Choose the zygote pool for a piece of code from the modules it imports.
 
-Forking a zygote costs time proportional to its heap, so plain-Python code (most tool
-calls: arithmetic, loops, itertools) runs on a light zygote with only the standard
-library warm, and code that imports anything else runs on the full one (numpy, sympy, …
-warm). Invariant: the choice only affects speed, never results — a module the light
-zygote lacks is simply imported at run time. Code that imports dynamically
-(``__import__``, ``importlib``) goes to the full pool.
+Forking a zygote costs time proportional to its heap, so the pools are ordered from the
+cheapest (standard library only: most tool calls are arithmetic, loops, itertools) to the
+dearest (numpy, sympy, scipy, pandas, networkx all warm), and code runs on the first pool
+whose warm modules cover every warm-able module it imports; code that also imports a
+module warm nowhere (it may pull in numpy) runs at least on the default pool. Invariant:
+the choice only affects speed, never results — a module a pool lacks is simply imported
+at run time. Code that imports dynamically (``__import__``, ``importlib``,
+``exec``/``eval``) goes to the last pool, which holds the most.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 
 _IMPORT = re.compile(r"^[ \t]*(?:from[ \t]+([A-Za-z_][\w.]*)[ \t]+import|import[ \t]+([^\n#;]+))", re.M)
 _DYNAMIC = re.compile(r"__import__|importlib|\bexec\s*\(|\beval\s*\(")
@@ -32,7 +35,17 @@ def imported_modules(code: str) -> set[str]:
     return names
 
 
-def runs_on_light(code: str, light_modules: frozenset[str]) -> bool:
+def top_level(modules: Iterable[str]) -> frozenset[str]:
+    return frozenset(m.split(".")[0] for m in modules)
+
+
+def choose_pool(code: str, pools: Sequence[frozenset[str]], default: int) -> int:
+    """Index of the pool (cheapest first, by their warm top-level modules) to run ``code`` on."""
+    last = len(pools) - 1
     if _DYNAMIC.search(code):
-        return False
-    return imported_modules(code) <= (light_modules | _CHEAP)
+        return last
+    warm_somewhere = frozenset().union(*pools)
+    imports = imported_modules(code) - _CHEAP
+    needed = imports & warm_somewhere
+    best = next((i for i, warm in enumerate(pools) if needed <= warm), last)
+    return max(best, default) if imports - warm_somewhere else best

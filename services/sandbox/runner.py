@@ -1,44 +1,52 @@
-"""One sandboxed run, executed in a process forked from a warm zygote.
+"""One sandboxed run, supervised from the zygote's event loop (one fork per run).
 
 Process tree of a run::
 
-    runner  (root; fresh mount/net/pid/ipc/uts namespaces)  enforces the wall limit, reads output
-      run   (pid 1 of the run's pid namespace)               mounts its private tmpfs, writes the
-                                                             input files, then drops to the run's
-                                                             uid and executes the model's code
+    zygote  (root; warm heap; serves many runs at once)  enforces the wall limit, reads output,
+      │                                                   fetches the requested files
+      ├── init  (pid 1 of the run's pid namespace)       a bare ``sleep``: holds the namespace
+      └── run   (pid 2; see ``run_process``)              enters its network/ipc/uts namespaces,
+                                                          mounts its private tmpfs, drops to the
+                                                          run's uid and executes the model's code
 
 Invariants:
-- the run has no network (a fresh, unconfigured network namespace: not even loopback),
-  sees only its own processes (fresh /proc), cannot write anywhere but its private tmpfs
-  (the zygote remounted every inherited mount read-only), runs as an unprivileged uid no
-  other concurrent run shares, with no_new_privs, and inherits no descriptor but
-  stdin/stdout/stderr;
-- the run is pid 1 of its namespace: when it exits, or is killed at the wall limit, the
-  kernel kills every process it left behind, and its tmpfs vanishes with the namespace.
-  (As for any container's pid 1, a signal it sends itself without a handler is ignored.)
+- the run has no network (an empty network namespace: not even loopback), sees only its
+  own processes (fresh /proc), cannot write anywhere but its private tmpfs (the zygote
+  remounted every inherited mount read-only), runs as an unprivileged uid no other
+  concurrent run shares, with no_new_privs, and inherits no descriptor but stdin/stdout/stderr;
+- the run is not pid 1, so a signal it sends itself acts as on any process; its exit status
+  (or the signal that ended it) is its own, read by ``waitpid`` here;
+- when the run process ends, or at the wall limit, init is killed and with it, by the kernel,
+  every process the run left behind; the run's mount namespace (and so its tmpfs) is held
+  by a descriptor until its files are fetched;
+- the zygote is back in its own mount and pid namespaces before it does anything else, and
+  never needs ``CAP_KILL`` or ``CAP_DAC_OVERRIDE``: it signals only init (root), and reads a
+  run's files with the run's file-system uid;
 - output is captured up to the cap (head and tail kept), the rest counted, never buffered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import errno
 import math
 import os
-import resource
-import selectors
+import posixpath
 import signal
-import socket
 import stat
 import time
 
-from services.sandbox import linux, user_main
-from services.sandbox.cgroups import SlotCgroup, join, write_limits
-from services.sandbox.protocol import RunOutcome, RunSpec, pack, recv_frame
+from services.sandbox import linux, run_process
+from services.sandbox.capture import CappedBuffer
+from services.sandbox.cgroups import SlotCgroup, write_limits
+from services.sandbox.protocol import RunOutcome, RunSpec
 
-WORKDIR = "/tmp/workspace"
-CODE_FILENAME = "main.py"
-_NS_FLAGS = linux.CLONE_NEWNS | linux.CLONE_NEWPID | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
 SLOT_NETNS: dict[int, int] = {}  # slot -> fd of its empty network namespace (see create_slot_netns)
+SLEEP = next((p for p in ("/usr/bin/sleep", "/bin/sleep") if os.access(p, os.X_OK)), "")
+_KILL_DRAIN_S = 2.0
+_INIT_GRACE_S = 30  # init outlives the wall limit by this much even if its zygote vanished
+_OWN_PIDNS: list[int] = []  # fd of the zygote's own pid namespace, to return to after each fork
 
 
 def create_slot_netns(slots: list[int]) -> None:
@@ -56,256 +64,274 @@ def create_slot_netns(slots: list[int]) -> None:
     finally:
         linux.setns(own, linux.CLONE_NEWNET)
         os.close(own)
-_KILL_DRAIN_S = 2.0
 
 
-class CappedBuffer:
-    """Keeps the first and last ``cap // 2`` bytes of a stream and counts what is dropped."""
-
-    def __init__(self, cap: int) -> None:
-        self.head_cap = cap - cap // 2
-        self.tail_cap = cap // 2
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def feed(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.head_cap - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data and self.tail_cap:
-            self.tail += data
-            if len(self.tail) > self.tail_cap:
-                del self.tail[: len(self.tail) - self.tail_cap]
-
-    @property
-    def dropped(self) -> int:
-        return self.total - len(self.head) - len(self.tail)
-
-    def render(self) -> bytes:
-        if self.dropped == 0:
-            return bytes(self.head + self.tail)
-        marker = f"\n...[output truncated: {self.dropped} bytes omitted]...\n".encode()
-        return bytes(self.head) + marker + bytes(self.tail)
+def remember_own_pid_namespace() -> None:
+    _OWN_PIDNS.append(os.open("/proc/self/ns/pid", os.O_RDONLY))
 
 
-def serve_connection(conn: socket.socket) -> None:
-    """Entry point of a freshly forked runner: one request in, one outcome out."""
+def _start(spec: RunSpec, cgroup: SlotCgroup | None, fds: run_process.RunFds) -> tuple[int, int]:
+    """Create the run's pid namespace, its init and the run process; returns (init, run pid).
+
+    Synchronous on purpose: between ``unshare`` and the return to the zygote's own pid
+    namespace nothing else may run (no other fork may land in this run's namespace).
+    """
+    linux.unshare(linux.CLONE_NEWPID)
     try:
-        spec = RunSpec(**recv_frame(conn))
-        outcome = execute(spec)
-    except Exception as exc:  # any failure here is the sandbox's, reported as SandboxError
-        outcome = RunOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
-    conn.sendall(pack(outcome))
+        # pid 1 of the new namespace: spawned (no copy of this heap), so the run can be pid 2
+        init = os.posix_spawn(SLEEP, ["sleep", str(math.ceil(spec.timeout_s) + _INIT_GRACE_S)], {})
+        try:
+            pid = os.fork()
+        except OSError:
+            _kill_init(init)
+            os.waitpid(init, 0)
+            raise
+        if pid == 0:
+            run_process.run(spec, cgroup, SLOT_NETNS.get(spec.slot), fds)  # never returns
+    finally:
+        linux.setns(_OWN_PIDNS[0], linux.CLONE_NEWPID)
+    return init, pid
 
 
-def execute(spec: RunSpec) -> RunOutcome:
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    netns = SLOT_NETNS.get(spec.slot)
-    if netns is not None:
-        linux.setns(netns, linux.CLONE_NEWNET)
-    linux.unshare(_NS_FLAGS | (linux.CLONE_NEWNET if netns is None else 0))
-    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    in_r, in_w = os.pipe()
-    st_r, st_w = os.pipe()
+async def execute(spec: RunSpec) -> RunOutcome:
     cgroup = SlotCgroup(spec.cgroup_limits, spec.cgroup_procs) if spec.cgroup_procs else None
-    if cgroup is not None and cgroup.limits:  # sent only when this slot's limits change
-        write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
-    start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # pid 1 of the new pid namespace
-        for fd in (out_r, err_r, in_w):
-            os.close(fd)
-        _run(spec, cgroup, in_r, out_w, err_w, st_w)  # never returns
-    for fd in (out_w, err_w, in_r, st_w):
-        os.close(fd)
-    out, err = CappedBuffer(spec.max_output_bytes), CappedBuffer(spec.max_output_bytes)
-    timed_out = _collect(pid, start + spec.timeout_s, spec.stdin, {out_r: out, err_r: err}, in_w)
-    _, wait_status = os.waitpid(pid, 0)
-    elapsed = time.monotonic() - start
-    with os.fdopen(st_r, "rb") as fh:
-        setup_error = fh.read().decode(errors="replace")
-    if setup_error:
-        return RunOutcome(ok=False, error=f"sandbox setup failed: {setup_error}")
-    return_code = None if timed_out else _decode_wait_status(wait_status)
-    files = {} if timed_out else _fetch(spec)
-    return RunOutcome(return_code=return_code, timed_out=timed_out,
-                      execution_time=min(elapsed, spec.timeout_s) if timed_out else elapsed,
-                      stdout=out.render(), stderr=err.render(), stdout_truncated=out.dropped,
-                      stderr_truncated=err.dropped, files=files)
+    fds = run_process.RunFds.create()
+    try:
+        if cgroup is not None and cgroup.limits:  # sent only when this slot's limits change
+            write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
+        start = time.monotonic()
+        init, pid = _start(spec, cgroup, fds)
+    except BaseException:
+        fds.close_all()
+        raise
+    fds.close_run_ends()
+    tmp_dir = -1
+    try:
+        out, err = CappedBuffer(spec.max_output_bytes), CappedBuffer(spec.max_output_bytes)
+        try:
+            streams = {fds.out_r: out, fds.err_r: err}
+            collector = _Collector(pid, init, start + spec.timeout_s, spec.stdin, streams, fds.in_w)
+            fds.out_r = fds.err_r = fds.in_w = -1  # the collector closes them
+            timed_out, ended = await collector.wait()
+        except BaseException:  # never leave a run running, or unwaited, behind
+            _kill_init(init)
+            await _reaped(pid)
+            await _reaped(init)
+            raise
+        _, wait_status = os.waitpid(pid, 0)  # has exited: the collector saw it
+        await _reaped(init)
+        setup_error = _read_all(fds.st_r).decode(errors="replace")
+        tmp_dir = run_process.receive_tmp(fds.tmp_rx)
+        if setup_error:
+            return RunOutcome(ok=False, error=f"sandbox setup failed: {setup_error}")
+        return_code = None if timed_out else _decode_wait_status(wait_status)
+        files, notes = ({}, {}) if timed_out or tmp_dir < 0 else _fetch(tmp_dir, spec)
+        return RunOutcome(return_code=return_code, timed_out=timed_out,
+                          execution_time=spec.timeout_s if timed_out else ended - start,
+                          stdout=out.render(), stderr=err.render(), stdout_truncated=out.dropped,
+                          stderr_truncated=err.dropped, files=files, fetch_notes=notes)
+    finally:
+        fds.close_all()
+        if tmp_dir >= 0:
+            os.close(tmp_dir)
+
+
+def _read_all(fd: int) -> bytes:
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _reaped(pid: int) -> None:
+    """Wait for a child without blocking the loop (init's exit waits for its namespace to empty)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == 0:
+            exited = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await exited
+            finally:
+                asyncio.get_running_loop().remove_reader(pidfd)
+            os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
 
 
 def _decode_wait_status(status: int) -> int:
+    """Exit code, or minus the signal that ended the run (as ``subprocess`` reports it)."""
     if os.WIFSIGNALED(status):
         return -os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
 
 
-def _collect(pid: int, deadline: float, stdin: bytes, streams: dict[int, CappedBuffer], in_w: int) -> bool:
-    """Pump stdin/stdout/stderr until the run's namespace is gone; SIGKILL it at ``deadline``."""
-    sel = selectors.DefaultSelector()
-    for fd in streams:
-        sel.register(fd, selectors.EVENT_READ)
-    pidfd = os.pidfd_open(pid)
-    sel.register(pidfd, selectors.EVENT_READ)
-    pending = memoryview(stdin)
-    if pending:
-        os.set_blocking(in_w, False)
-        sel.register(in_w, selectors.EVENT_WRITE)
-    else:
-        os.close(in_w)
-    open_streams = set(streams)
-    exited = killed = False
-    while open_streams or not exited:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            if killed:  # namespace should be gone; stop waiting on stray writers
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            killed = True
-            deadline = time.monotonic() + _KILL_DRAIN_S
-            continue
-        for key, _ in sel.select(remaining):
-            fd = key.fd
-            if fd == pidfd:
-                exited = True
-                sel.unregister(pidfd)
-            elif fd == in_w:
-                try:
-                    n = os.write(in_w, pending[:65536])
-                    pending = pending[n:]
-                except (BrokenPipeError, BlockingIOError):
-                    pending = pending[:0]
-                if not pending:
-                    sel.unregister(in_w)
-                    os.close(in_w)
-            else:
-                chunk = os.read(fd, 65536)
-                if chunk:
-                    streams[fd].feed(chunk)
-                else:
-                    sel.unregister(fd)
-                    os.close(fd)
-                    open_streams.discard(fd)
-    for fd in list(open_streams) + ([in_w] if pending else []):
-        with contextlib.suppress(OSError):
+def _kill_init(init: int) -> None:
+    """End the run's pid namespace: the kernel kills every process left in it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(init, signal.SIGKILL)
+
+
+class _Collector:
+    """Pumps stdin/stdout/stderr on the event loop until the run process has ended and every
+    stream is closed (or ``_KILL_DRAIN_S`` after it ended). At the end of the run process,
+    or at the deadline, init is killed, which ends every process still in the namespace."""
+
+    def __init__(self, pid: int, init: int, deadline: float, stdin: bytes, streams: dict[int, CappedBuffer],
+                 in_w: int) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.init = init
+        self.streams = streams
+        self.open = set(streams)
+        self.in_w = in_w
+        self.pending = memoryview(stdin)
+        self.ended: float | None = None
+        self.timed_out = False
+        self.done = self.loop.create_future()
+        self.pidfd = os.pidfd_open(pid)
+        for fd in streams:
+            os.set_blocking(fd, False)
+            self.loop.add_reader(fd, self._read, fd)
+        self.loop.add_reader(self.pidfd, self._exited)
+        if self.pending:
+            os.set_blocking(in_w, False)
+            self.loop.add_writer(in_w, self._write)
+        else:
+            self._close_stdin()
+        self.timer = self.loop.call_at(self._loop_time(deadline), self._deadline)
+
+    def _loop_time(self, monotonic_deadline: float) -> float:
+        return self.loop.time() + max(0.0, monotonic_deadline - time.monotonic())
+
+    async def wait(self) -> tuple[bool, float]:
+        try:
+            await self.done
+        finally:
+            self._close_all()
+        return self.timed_out, self.ended if self.ended is not None else time.monotonic()
+
+    def _read(self, fd: int) -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if chunk:
+            self.streams[fd].feed(chunk)
+            return
+        self.loop.remove_reader(fd)
+        os.close(fd)
+        self.open.discard(fd)
+        self._maybe_done()
+
+    def _write(self) -> None:
+        try:
+            n = os.write(self.in_w, self.pending[:65536])
+            self.pending = self.pending[n:]
+        except BlockingIOError:
+            return
+        except OSError:  # the run closed its stdin
+            self.pending = self.pending[:0]
+        if not self.pending:
+            self.loop.remove_writer(self.in_w)
+            self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self.in_w >= 0:
+            os.close(self.in_w)
+            self.in_w = -1
+
+    def _exited(self) -> None:
+        self.ended = time.monotonic()
+        self.loop.remove_reader(self.pidfd)
+        _kill_init(self.init)  # whatever the run left behind ends with it
+        self.timer.cancel()
+        self.timer = self.loop.call_later(_KILL_DRAIN_S, self._finish)
+        self._maybe_done()
+
+    def _deadline(self) -> None:
+        self.timed_out = True
+        _kill_init(self.init)  # the run process dies with the namespace: _exited follows
+
+    def _maybe_done(self) -> None:
+        if self.ended is not None and not self.open:
+            self._finish()
+
+    def _finish(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+    def _close_all(self) -> None:
+        self.timer.cancel()
+        for fd in list(self.open):
+            self.loop.remove_reader(fd)
             os.close(fd)
-    os.close(pidfd)
-    return killed
+        self.open.clear()
+        if self.in_w >= 0:
+            self.loop.remove_writer(self.in_w)
+            self._close_stdin()
+        if self.ended is None:
+            self.loop.remove_reader(self.pidfd)
+        os.close(self.pidfd)
 
 
-def remount_readonly(keep_writable: frozenset[str] = frozenset()) -> None:
-    """Make every mount of the current (private) mount namespace read-only, but ``keep_writable``."""
-    for target, opts in linux.mount_points():
-        if target in keep_writable:
-            continue
-        flags = linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY
-        for name, bit in (("nosuid", linux.MS_NOSUID), ("nodev", linux.MS_NODEV),
-                          ("noexec", linux.MS_NOEXEC)):
-            if name in opts:
-                flags |= bit
-        try:
-            linux.mount(None, target, None, flags)
-        except OSError:
-            if target == "/":
-                raise  # fail closed: a writable root is not a sandbox
+def _fetch(tmp_dir: int, spec: RunSpec) -> tuple[dict[str, bytes], dict[str, str]]:
+    """Read the requested files from the run's tmpfs, one by one: (contents, why-not notes).
 
-
-def _prepare_filesystem(spec: RunSpec) -> None:
-    linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
-    linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
-                f"size={spec.workdir_size_mb}m,mode=1777")
-    for target, private in (("/var/tmp", "/tmp/.var-tmp"), ("/dev/shm", "/tmp/.shm")):
-        if os.path.isdir(target):  # share the one size-limited tmpfs
-            os.mkdir(private)
-            os.chmod(private, 0o1777)
-            linux.mount(private, target, None, linux.MS_BIND)
-    os.mkdir(WORKDIR, 0o700)
-    for rel, data in spec.files.items():
-        path = os.path.join(WORKDIR, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as fh:
-            fh.write(data)
-    for root, dirs, names in os.walk(WORKDIR):
-        for name in dirs + names:
-            os.chown(os.path.join(root, name), spec.uid, spec.uid)
-    os.chown(WORKDIR, spec.uid, spec.uid)
-    os.chdir(WORKDIR)
-
-
-def _vm_data_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmData:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _run(spec: RunSpec, cgroup: SlotCgroup | None, in_r: int, out_w: int, err_w: int, st_w: int) -> None:
-    """pid 1 of the run: set up as root, drop privileges, run the code, exit with its code."""
-    code = 1
-    try:
-        if cgroup is not None:
-            join(cgroup)
-        _prepare_filesystem(spec)
-        os.dup2(in_r, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        max_fd = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        os.closerange(3, st_w)
-        os.closerange(st_w + 1, max_fd)
-        _apply_limits(spec)
-        os.setgroups([])
-        os.setresgid(spec.uid, spec.uid, spec.uid)
-        os.setresuid(spec.uid, spec.uid, spec.uid)
-        linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
-        os.close(st_w)  # setup done: nothing to report
-        code = user_main.run_user_code(spec.code, WORKDIR, CODE_FILENAME)
-    except BaseException as exc:  # noqa: BLE001 - setup failures reach the runner, never raise
-        with contextlib.suppress(OSError):
-            os.write(st_w, f"{type(exc).__name__}: {exc}".encode())
-    finally:
-        os._exit(code)
-
-
-def _apply_limits(spec: RunSpec) -> None:
-    mem = spec.memory_mb * 1024 * 1024
-    cpu = math.ceil(spec.timeout_s) + 1
-    limits = {
-        resource.RLIMIT_CORE: 0,
-        resource.RLIMIT_NPROC: spec.max_processes,
-        resource.RLIMIT_CPU: cpu,
-        resource.RLIMIT_FSIZE: spec.workdir_size_mb * 1024 * 1024,
-        resource.RLIMIT_NOFILE: 1024,
-        # memory the run may allocate on top of the warm interpreter it was forked from
-        resource.RLIMIT_DATA: _vm_data_bytes() + mem,
-    }
-    for res, value in limits.items():
-        resource.setrlimit(res, (value, value))
-
-
-def _fetch(spec: RunSpec) -> dict[str, bytes]:
-    """Read requested files from the run's workdir; symlinks out of it and non-files are ignored.
-
-    Runs after every process of the run is dead, so nothing can swap a path under us.
+    ``tmp_dir`` is the run's ``/tmp`` (its tmpfs, kept by this descriptor after the run's
+    mount namespace is gone). A relative path is relative to the working directory; an
+    absolute one must lie in ``/tmp``. Every component is opened without following
+    symlinks, below ``tmp_dir``, and must stay on the tmpfs; non-regular and too-large
+    files are skipped. Runs after every process of the run is dead (nothing can swap a
+    path under us), with the run's file-system uid (its files, its permissions).
     """
-    root = os.path.realpath(WORKDIR) + os.sep
     files: dict[str, bytes] = {}
-    for rel in spec.fetch_files:
-        path = os.path.realpath(os.path.join(WORKDIR, rel))
-        if not path.startswith(root):
-            continue
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if stat.S_ISREG(st.st_mode) and st.st_size <= spec.max_fetch_file_bytes:
-                files[rel] = fh.read(spec.max_fetch_file_bytes)
-    return files
+    notes: dict[str, str] = {}
+    if not spec.fetch_files:
+        return files, notes
+    tmp_dev = os.fstat(tmp_dir).st_dev
+    linux.set_fs_ids(spec.uid, spec.uid)
+    try:
+        for name in spec.fetch_files:
+            why = _fetch_one(tmp_dir, tmp_dev, name, spec.max_fetch_file_bytes, files)
+            if why:
+                notes[name] = why
+    finally:
+        linux.set_fs_ids(0, 0)
+    return files, notes
+
+
+def _fetch_one(tmp_dir: int, tmp_dev: int, name: str, max_bytes: int, files: dict[str, bytes]) -> str:
+    if not name or "\x00" in name:
+        return "invalid path"
+    path = posixpath.normpath(posixpath.join(run_process.WORKDIR, name))
+    if not path.startswith("/tmp/"):
+        return "outside the run's /tmp"
+    *dirs, leaf = path[len("/tmp/"):].split("/")
+    held: list[int] = []
+    try:
+        current = tmp_dir
+        for part in dirs:
+            current = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=current)
+            held.append(current)
+        fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=current)
+    except FileNotFoundError:
+        return "not found"
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return "a symbolic link or not a directory on the way (links are not followed)"
+        return f"not readable: {exc.strerror}"
+    finally:
+        for fd_ in held:
+            os.close(fd_)
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if st.st_dev != tmp_dev:
+            return "outside the run's /tmp"
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size > max_bytes:
+            return f"larger than max_fetch_file_bytes ({max_bytes})"
+        files[name] = fh.read(max_bytes)
+    return ""

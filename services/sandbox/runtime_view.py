@@ -61,3 +61,20 @@ def expose_runtime(paths: list[str]) -> list[str]:
             os.rmdir(slot)
         os.rmdir(stage)
     return sorted(groups)
+
+
+def remount_readonly(keep_writable: frozenset[str] = frozenset()) -> None:
+    """Make every mount of the current (private) mount namespace read-only, but ``keep_writable``."""
+    for target, opts in linux.mount_points():
+        if target in keep_writable:
+            continue
+        flags = linux.MS_BIND | linux.MS_REMOUNT | linux.MS_RDONLY
+        for name, bit in (("nosuid", linux.MS_NOSUID), ("nodev", linux.MS_NODEV),
+                          ("noexec", linux.MS_NOEXEC)):
+            if name in opts:
+                flags |= bit
+        try:
+            linux.mount(None, target, None, flags)
+        except OSError:
+            if target == "/":
+                raise  # fail closed: a writable root is not a sandbox

@@ -1,8 +1,10 @@
 """SandboxFusion-compatible request/response models for ``POST /run_code``.
 
 Field names, defaults and status values follow SandboxFusion so that its clients (verl's
-sandbox tool) work unchanged. Limits are checked here, so a bad request is a 422 that
-names the field.
+sandbox tool) work unchanged. What cannot mean anything is refused here, with a 422 that
+names the field; values a drop-in must accept are handled per field elsewhere (over-limit
+timeouts and memory are clamped, see ``limits``; each ``fetch_files`` entry is checked
+on its own at fetch time and reported in ``message`` if skipped).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class RunCodeRequest(BaseModel):
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
     stdin: str | None = None
     files: dict[str, str | None] = Field(default_factory=dict, description="path -> base64 content")
-    fetch_files: list[str] = Field(default_factory=list)
+    fetch_files: list[str] = Field(default_factory=list, max_length=1024)
 
     @field_validator("language")
     @classmethod
@@ -66,13 +68,6 @@ class RunCodeRequest(BaseModel):
                     base64.b64decode(content, validate=True)
                 except (binascii.Error, ValueError):
                     raise ValueError(f"files[{path!r}] is not valid base64") from None
-        return value
-
-    @field_validator("fetch_files")
-    @classmethod
-    def _fetch_valid(cls, value: list[str]) -> list[str]:
-        for path in value:
-            check_relative_path(path)
         return value
 
     def decoded_files(self) -> dict[str, bytes]:

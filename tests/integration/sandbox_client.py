@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from typing import Any
 
 import httpx
@@ -38,3 +40,43 @@ def sandbox_pids(uid_base: int = 61000, uid_top: int = 61000 + 4096) -> list[int
         except OSError:
             continue
     return pids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of all its threads, recursively)."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as fh:
+                    kids = [int(p) for p in fh.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def uid_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("Uid:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def kill_runs_of(service_pid: int, uid_base: int = 61000) -> int:
+    """SIGKILL the model-code processes of *this* service (not other sandboxes on the host)."""
+    killed = 0
+    for pid in descendants(service_pid):
+        uid = uid_of(pid)
+        if uid is not None and uid >= uid_base:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed

@@ -85,14 +85,14 @@ def test_fetch_files_does_not_follow_symlinks_out_of_the_workdir(sandbox_url):
     ({"language": "python"}, "code"),
     ({"code": "1", "language": "cpp"}, "language"),
     ({"code": "1", "run_timeout": -1}, "run_timeout"),
-    ({"code": "1", "run_timeout": 10_000}, "run_timeout"),
-    ({"code": "1", "memory_limit_MB": 1_000_000}, "memory_limit_MB"),
+    ({"code": "1", "compile_timeout": -1}, "compile_timeout"),
     ({"code": "1", "files": {"../x": ""}}, "files"),
+    ({"code": "1", "files": {"/etc/x": ""}}, "files"),
     ({"code": "1", "files": {"a.txt": "@@@"}}, "files"),
-    ({"code": "1", "fetch_files": ["/etc/passwd"]}, "fetch_files"),
+    ({"code": "1", "fetch_files": "out.txt"}, "fetch_files"),
     ({"code": 5}, "code"),
 ])
-def test_bad_requests_are_422_naming_the_field(sandbox_url, body, field):
+def test_requests_that_cannot_mean_anything_are_422_naming_the_field(sandbox_url, body, field):
     r = httpx.post(f"{sandbox_url}/run_code", json=body, timeout=30)
     assert r.status_code == 422, r.text
     locs = [d["loc"] for d in r.json()["detail"]]

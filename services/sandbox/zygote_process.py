@@ -1,0 +1,81 @@
+"""The service's handle on one zygote process: start it, send it runs, stop it.
+
+Invariant: a zygote is started on the runs' interpreter with a scrubbed environment (no
+secret of the service reaches it), knows the service's pid (so it can tell when the service
+is gone, even when the service is pid 1), and reports what it could not preload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import struct
+
+from services.sandbox.protocol import RunOutcome, RunSpec, pack, unpack_body
+from services.sandbox.user_main import RUN_ENV
+
+# What a zygote (and so every run) may see of the environment: nothing secret.
+_ZYGOTE_ENV = {**RUN_ENV, "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1"}
+_REPLY_GRACE_S = 15.0
+
+
+class Zygote:
+    def __init__(self, name: str, *, python: str, package_stage: str, sock_dir: str, preload: list[str],
+                 writable: list[str], slots: list[int], stack_mb: int) -> None:
+        self.name = name
+        self.python = python
+        self.package_stage = package_stage
+        self.writable = writable
+        self.slots = slots
+        self.stack_mb = stack_mb
+        self.sock_path = os.path.join(sock_dir, f"zygote-{name}.sock")
+        self.preload = preload
+        self.proc: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self.info: dict[str, object] = {}  # what the zygote reported when it became ready
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    async def start(self, timeout_s: float = 180.0) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.sock_path)
+        env = {**_ZYGOTE_ENV, "PYTHONPATH": self.package_stage}
+        self.proc = await asyncio.create_subprocess_exec(
+            self.python, "-s", "-m", "services.sandbox.zygote", "--socket", self.sock_path,
+            "--parent-pid", str(os.getpid()), "--stack-mb", str(self.stack_mb),
+            "--preload", ",".join(self.preload), "--writable", ",".join(self.writable),
+            "--netns-slots", ",".join(map(str, self.slots)), env=env,
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, cwd="/")
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+        if not line.startswith(b"READY"):
+            raise RuntimeError(f"zygote {self.name} failed to start (exit code {self.proc.returncode})")
+        self.info = json.loads(line[len(b"READY"):] or b"{}")
+
+    async def stop(self) -> None:
+        if self.alive:
+            assert self.proc is not None
+            self.proc.kill()
+            await self.proc.wait()
+
+    async def run(self, spec: RunSpec) -> RunOutcome:
+        reader, writer = await asyncio.open_unix_connection(self.sock_path)
+        try:
+            writer.write(pack(spec))
+            await writer.drain()
+            async with asyncio.timeout(spec.timeout_s + _REPLY_GRACE_S):
+                (length,) = struct.unpack(">I", await reader.readexactly(4))
+                body = await reader.readexactly(length)
+            return RunOutcome(**unpack_body(body))
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
