@@ -13,19 +13,25 @@ same seed, must produce exactly the tokens the OpenAI conversation produced.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from openai import OpenAI
+import uvicorn
+from openai import AsyncOpenAI, OpenAI
 
 from services.common.process import ServiceProcess, free_port
 from services.rollout.agent.loop import hermes_tool_schema
 from services.rollout.agent.sandbox import SandboxClient
+from services.rollout.config import RolloutConfig
 from services.rollout.openai_api.render import chat_tool_result_template
+from services.rollout.server import create_app
+from tests.helpers.agent_fixtures import EndlessEngine, make_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +129,8 @@ async def test_tool_call_round_trip_equals_the_agent_loop(served, sandbox_url: s
         assert p2[: len(p1) + len(gen1)] == p1 + gen1  # continued from exactly those tokens
         tool_ids = p2[len(p1) + len(gen1) :]
         assert tok.decode(tool_ids) == served["template"].replace("{output}", "42")
-        conversations.append((choice, reply, tool_ids, messages + [reply.message.model_dump(exclude_none=True)]))
+        said = reply.message.model_dump(exclude_none=True)
+        conversations.append((choice, reply, tool_ids, [*messages, said]))
 
     # the agent loop on the same replica, same prompt and seed, lays out the same tokens
     r = httpx.post(f"{served['url']}/v1/rollouts", timeout=120, json={
@@ -136,7 +143,8 @@ async def test_tool_call_round_trip_equals_the_agent_loop(served, sandbox_url: s
         assert traj["response_ids"] == gen1 + tool_ids + gen2
         assert traj["loss_mask"] == [1] * len(gen1) + [0] * len(tool_ids) + [1] * len(gen2)
         assert traj["versions"] == [VERSION] * len(gen1) + [-1] * len(tool_ids) + [VERSION] * len(gen2)
-        lps = choice.model_extra["token_logprobs"] + [0.0] * len(tool_ids) + reply.model_extra["token_logprobs"]
+        lp1, lp2 = choice.model_extra["token_logprobs"], reply.model_extra["token_logprobs"]
+        lps = lp1 + [0.0] * len(tool_ids) + lp2
         assert traj["logprobs"] == pytest.approx(lps, abs=1e-4)
         assert (traj["tool_calls"], traj["finish_reason"]) == (1, "eos")
 
@@ -264,6 +272,51 @@ def test_unknown_model_is_a_404(served) -> None:
 def test_metrics_count_openai_requests(served) -> None:
     served["client"].chat.completions.create(model=served["model"], messages=QUESTION, max_tokens=2)
     text = httpx.get(f"{served['url']}/metrics", timeout=30).text
-    ok = [line for line in text.splitlines() if line.startswith('rollout_openai_requests_total{outcome="ok"}')]
+    name = 'rollout_openai_requests_total{outcome="ok"}'
+    ok = [line for line in text.splitlines() if line.startswith(name)]
     assert ok and float(ok[0].split()[-1]) > 0
     assert "rollout_generated_tokens_total" in text
+
+
+async def test_shared_limit_429_and_disconnect_cancels_generation() -> None:
+    """One in-flight count for both APIs (max_concurrent_requests=1): while a chat stream runs, another
+    chat request and a /v1/rollouts request get 429s; closing the stream mid-way (the official
+    client's ``close``) aborts the engine request and frees the slot. In-process uvicorn on loopback,
+    an engine that never stops (so the stream is open for as long as the test needs)."""
+    tok = make_tokenizer()
+    cfg = RolloutConfig(sandbox_url="http://127.0.0.1:9", model="endless", max_concurrent_requests=1)
+    engine = EndlessEngine(tok)
+    app = create_app(cfg, engine, tok)  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    serve = asyncio.create_task(server.serve())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert not serve.done() and time.monotonic() < deadline, "uvicorn did not start"
+            await asyncio.sleep(0.05)
+        client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+        stream = await client.chat.completions.create(model="endless", messages=QUESTION, stream=True)
+        parts = stream.__aiter__()
+        seen = ""
+        while len(seen) < 5:
+            seen += (await parts.__anext__()).choices[0].delta.content or ""
+        assert set(seen) == {"a"} and len(engine.running) == 1
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model="endless", messages=QUESTION)
+        assert "max_concurrent_requests=1" in info.value.message
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            assert (await c.post("/v1/rollouts", json={"messages": QUESTION})).status_code == 429
+            await stream.close()  # the client goes away mid-stream
+            while engine.running or (await c.get("/healthz")).json()["in_flight"]:
+                assert time.monotonic() < deadline + 60, f"still generating: {engine.running}"
+                await asyncio.sleep(0.05)
+            assert len(engine.closed) == 1
+            text = (await c.get("/metrics")).text
+        assert 'rollout_openai_requests_total{outcome="rejected"} 1.0' in text
+        assert 'rollout_openai_requests_total{outcome="error"} 1.0' in text  # the abandoned stream
+        assert "rollout_requests_in_flight 0.0" in text
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serve, 30)

@@ -180,8 +180,12 @@ async def _parse(request: Request) -> ChatCompletionRequest:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         param = _param(body, errors[0]["loc"])
-        parts = [f"{_param(body, e['loc']) or 'body'}: {e['msg']}" for e in errors[:3]]
+        parts = [f"{_param(body, e['loc']) or 'body'}: {_message(e['msg'])}" for e in errors[:3]]
         raise OpenAIError(400, "; ".join(parts), param=param or None) from None
+
+
+def _message(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
 
 
 def _param(body: Any, loc: tuple[Any, ...]) -> str:
