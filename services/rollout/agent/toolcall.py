@@ -7,7 +7,8 @@ Formats:
 - code: ``... <code>CODE</code>``; CODE may be a fenced block (```` ```python ... ``` ````), whose
   inside is used;
 - hermes: ``<tool_call>{"name": "code_interpreter", "arguments": {"code": "..."}}</tool_call>``;
-  ``arguments`` may also be a JSON string holding that object.
+  ``arguments`` may also be a JSON string holding that object. ``parse_hermes_function`` decodes a
+  call to any function (name + arguments object): the OpenAI API's ``tool_calls`` use it.
 """
 
 from __future__ import annotations
