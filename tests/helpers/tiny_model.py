@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory: Any, size: str = "tiny", seed: int = 0) -> 
     return _BUILT[key]
 
 
-def imprint(src: Path, out: Path, sequences: list[tuple[list[int], int]], *, steps: int = 600,
+def imprint(src: Path, out: Path, sequences: list[tuple[list[int], int]], *, steps: int = 400,
             lr: float = 5e-3, seed: int = 0) -> Path:
     """Fine-tune the model in ``src`` on a few token sequences until it reproduces them, save to ``out``.
 
@@ -32,7 +32,19 @@ def imprint(src: Path, out: Path, sequences: list[tuple[list[int], int]], *, ste
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model on busy shared cores: OpenMP barriers only slow it down
+    try:
+        _train(AutoModelForCausalLM.from_pretrained(src), sequences, steps, lr).save_pretrained(out)
+    finally:
+        torch.set_num_threads(threads)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+def _train(model: Any, sequences: list[tuple[list[int], int]], steps: int, lr: float) -> Any:
+    import torch
+
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     batch = []
@@ -46,7 +58,4 @@ def imprint(src: Path, out: Path, sequences: list[tuple[list[int], int]], *, ste
         for x, labels in batch:
             model(input_ids=x, labels=labels).loss.backward()
         opt.step()
-    model.eval()
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    return out
+    return model.eval()
