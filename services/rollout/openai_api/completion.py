@@ -158,7 +158,7 @@ class ChoiceRun:
         }
 
     def choice(self) -> Choice:
-        out = self._finished()
+        out = self.result()
         tool_calls = [out.tool_call] if out.tool_call is not None else None
         return Choice(
             index=self.index,
@@ -168,7 +168,7 @@ class ChoiceRun:
             **self.arrays(0, len(self.ids)),
         )
 
-    def _finished(self) -> Outcome:
+    def result(self) -> Outcome:
         if self.outcome is None:
             raise GenerationAborted("the engine stream ended before the choice finished")
         return self.outcome
@@ -187,8 +187,8 @@ async def engine_chunks(engine: Engine, plan: TurnPlan) -> AsyncIterator[tuple[i
             async with asyncio.TaskGroup() as tg:
                 for i in range(plan.n):
                     tg.create_task(one(i))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            queue.put_nowait(exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc)
+        except Exception as exc:  # handed to the consumer, which raises it (cancellation propagates)
+            queue.put_nowait(exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc)
             return
         queue.put_nowait(None)
 
@@ -257,7 +257,7 @@ async def stream(
         delta = Delta(content=shown or None)
         finish: OpenAIFinish | None = None
         if part.finished:
-            out = run._finished()
+            out = run.result()
             rest = run.held.rest(out.content or "")
             delta.content = (shown + rest) or None
             if out.tool_call is not None:
