@@ -27,6 +27,7 @@ from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams
 from services.rollout.metrics import RolloutMetrics
+from services.rollout.openai_api.router import openai_router
 
 log = get_logger("rollout")
 T = TypeVar("T")
@@ -182,6 +183,8 @@ def create_app(
             "scored": scorer is not None,
         },
     )
+
+    app.include_router(openai_router(cfg, timed, tokenizer, metrics, state))
 
     @app.post("/v1/rollouts", response_model=None)
     async def rollouts(req: RolloutRequest) -> JSONResponse | StreamingResponse:

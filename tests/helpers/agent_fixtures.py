@@ -8,6 +8,7 @@ deterministic token stream is needed (a real model's output cannot be scripted).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
@@ -129,6 +130,39 @@ class ScriptedEngine:
 
     async def load_weights(self, named_tensors: Any, version: int) -> None:
         self._version = version
+
+    async def shutdown(self) -> None:
+        return None
+
+
+class EndlessEngine:
+    """Streams one token every 10 ms forever; records which requests are running and which were closed."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.version = 0
+        self.running: set[str] = set()
+        self.closed: list[str] = []
+        self.tokens = 0
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[GenerationChunk]:
+        token = self.tokenizer.encode("a", add_special_tokens=False)[0]
+        self.running.add(request_id)
+        try:
+            while True:
+                await asyncio.sleep(0.01)
+                self.tokens += 1
+                yield GenerationChunk(
+                    index=0, token_ids=[token], logprobs=[-1.0], versions=[0], finished=False
+                )
+        finally:  # the consumer was cancelled (or closed the generator)
+            self.running.discard(request_id)
+            self.closed.append(request_id)
+
+    async def load_weights(self, named_tensors: Any, version: int) -> None:
+        self.version = version
 
     async def shutdown(self) -> None:
         return None

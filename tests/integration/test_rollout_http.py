@@ -20,10 +20,9 @@ import uvicorn
 
 from services.common.process import free_port
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import GenerationChunk, SamplingParams
 from services.rollout.server import create_app
 from tests.helpers import agent_fixtures
-from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
+from tests.helpers.agent_fixtures import EndlessEngine, ScriptedEngine, make_tokenizer
 
 pytestmark = pytest.mark.integration
 reward_url = agent_fixtures.reward_url  # a real reward service (session fixture)
@@ -150,39 +149,6 @@ async def test_hermes_format_through_the_real_sandbox(sandbox_url: str) -> None:
     assert "\n<tool_response>\nFailed to decode tool call: Invalid \\escape" in t["response_text"]
     assert "\n<tool_response>\n120\n</tool_response>\n" in t["response_text"]
     assert (t["tool_calls"], t["tool_errors"], t["finish_reason"]) == (2, 1, "eos")
-
-
-class EndlessEngine:
-    """Streams one token every 10 ms forever; records which requests are running and which were closed."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.version = 0
-        self.running: set[str] = set()
-        self.closed: list[str] = []
-        self.tokens = 0
-
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[GenerationChunk]:
-        token = self.tokenizer.encode("a", add_special_tokens=False)[0]
-        self.running.add(request_id)
-        try:
-            while True:
-                await asyncio.sleep(0.01)
-                self.tokens += 1
-                yield GenerationChunk(
-                    index=0, token_ids=[token], logprobs=[-1.0], versions=[0], finished=False
-                )
-        finally:  # the consumer was cancelled (or closed the generator)
-            self.running.discard(request_id)
-            self.closed.append(request_id)
-
-    async def load_weights(self, named_tensors: Any, version: int) -> None:
-        self.version = version
-
-    async def shutdown(self) -> None:
-        return None
 
 
 def _gauge(metrics_text: str, name: str) -> float:

@@ -1,0 +1,1 @@
+"""OpenAI-compatible ``/v1/chat/completions`` and ``/v1/models`` on the rollout service."""

@@ -1,0 +1,224 @@
+"""FastAPI router: ``POST /v1/chat/completions`` (JSON or SSE) and ``GET /v1/models[/{id}]``.
+
+Limits and accounting are the rollout API's: ``n <= max_n``, ``max_prompt_tokens``, and one
+in-flight count shared with ``/v1/rollouts`` under ``max_concurrent_requests`` (429 beyond it).
+The served model id is the configured ``model`` (as vLLM names it by default); a request for
+another model is a 404. Errors use OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``: a bad request is a 400 whose ``param`` names the field (``messages[2].token_ids``).
+There is no API key, as on ``/v1/rollouts``: the official client's key is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from services.common.logging import get_logger
+from services.rollout.agent.loop import Tokenizer
+from services.rollout.config import RolloutConfig
+from services.rollout.engine.base import Engine
+from services.rollout.metrics import RolloutMetrics
+from services.rollout.openai_api import completion
+from services.rollout.openai_api.completion import GenerationAborted, TurnPlan
+from services.rollout.openai_api.render import ChatRenderer, RenderError
+from services.rollout.openai_api.responses import ErrorBody, ErrorResponse, ModelCard, ModelList
+from services.rollout.openai_api.schemas import ChatCompletionRequest
+
+log = get_logger("rollout.openai")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict[str, Any]:
+        err = ErrorBody(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=err).model_dump(mode="json")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body())
+
+
+def openai_router(
+    cfg: RolloutConfig, engine: Engine, tokenizer: Tokenizer, metrics: RolloutMetrics, state: dict[str, Any]
+) -> APIRouter:
+    """``state["in_flight"]`` is the app's count of requests being served (shared with /v1/rollouts)."""
+    router = APIRouter()
+    served = cfg.model or "retool"
+    started = int(time.time())
+    renderer = ChatRenderer(tokenizer)
+    requests = metrics.registry.counter(
+        "openai_requests_total", "OpenAI-API chat completions by outcome", ("outcome",)
+    )
+    for outcome in ("ok", "bad_request", "rejected", "error"):
+        requests.labels(outcome)
+
+    def card() -> ModelCard:
+        ctx = getattr(engine, "max_context", None)
+        return ModelCard(id=served, created=started, root=cfg.model,
+                         max_model_len=ctx if isinstance(ctx, int) else None, policy_version=engine.version)
+
+    @router.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(ModelList(data=[card()]).model_dump(mode="json"))
+
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        if model != served:
+            return _no_such_model(model).response()
+        return JSONResponse(card().model_dump(mode="json"))
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> JSONResponse | StreamingResponse:
+        try:
+            req = await _parse(request)
+            plan = _plan(req)
+        except OpenAIError as err:
+            requests.labels("bad_request").inc()
+            return err.response()
+        if state["in_flight"] >= cfg.max_concurrent_requests:
+            requests.labels("rejected").inc()
+            return OpenAIError(
+                429,
+                "too many requests in flight (max_concurrent_requests="
+                f"{cfg.max_concurrent_requests}); retry later",
+                type_="rate_limit_error", code="rate_limit_exceeded",
+            ).response()
+        if req.stream:
+            return StreamingResponse(_sse(plan), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        state["in_flight"] += 1
+        metrics.in_flight.inc()
+        try:
+            result = await completion.complete(engine, plan, tokenizer, metrics.tokens_generated)
+        except Exception as exc:
+            requests.labels("error").inc()
+            return _server_error(exc).response()
+        finally:
+            state["in_flight"] -= 1
+            metrics.in_flight.dec()
+        requests.labels("ok").inc()
+        return JSONResponse(result.model_dump(mode="json"))
+
+    async def _sse(plan: TurnPlan) -> AsyncIterator[bytes]:
+        state["in_flight"] += 1
+        metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            try:
+                async for part in completion.stream(engine, plan, tokenizer, metrics.tokens_generated):
+                    yield _data(part.model_dump(mode="json"))
+                outcome = "ok"
+            except Exception as exc:  # the status line is sent: report in-band, as vLLM does
+                yield _data(_server_error(exc).body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            # bookkeeping before any await: a client that went away cancels every await in here
+            state["in_flight"] -= 1
+            metrics.in_flight.dec()
+            requests.labels(outcome).inc()
+
+    def _plan(req: ChatCompletionRequest) -> TurnPlan:
+        if req.model != served:
+            raise _no_such_model(req.model)
+        if req.n > cfg.max_n:
+            raise OpenAIError(400, f"n={req.n} exceeds the limit max_n={cfg.max_n}", param="n")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            prompt_ids = renderer.render(req.messages, tools)
+        except RenderError as exc:
+            raise OpenAIError(400, str(exc), param=exc.param) from None
+        if len(prompt_ids) > cfg.max_prompt_tokens:
+            raise OpenAIError(
+                400,
+                f"messages: the prompt has {len(prompt_ids)} tokens, above the limit "
+                f"max_prompt_tokens={cfg.max_prompt_tokens}",
+                param="messages",
+            )
+        budget = req.completion_budget or cfg.agent.max_response_tokens
+        ctx = getattr(engine, "max_context", None)
+        if isinstance(ctx, int):
+            room = ctx - 1 - len(prompt_ids)
+            if room < 1:
+                raise OpenAIError(
+                    400, f"messages: the prompt has {len(prompt_ids)} tokens and leaves no room in the "
+                    f"model's context of {ctx}", param="messages")
+            budget = min(budget, room)
+        return TurnPlan(
+            model=served,
+            prompt_ids=prompt_ids,
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=budget,
+            seed=req.seed,
+            stops=req.stops,
+            tool_names=frozenset(t.function.name for t in req.tools or []) if req.tools_active else None,
+            logprobs=req.logprobs,
+            token_arrays=req.return_token_ids,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        )
+
+    return router
+
+
+async def _parse(request: Request) -> ChatCompletionRequest:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        param = _param(body, errors[0]["loc"])
+        parts = [f"{_param(body, e['loc']) or 'body'}: {_message(e['msg'])}" for e in errors[:3]]
+        raise OpenAIError(400, "; ".join(parts), param=param or None) from None
+
+
+def _message(msg: str) -> str:
+    return msg.removeprefix("Value error, ")
+
+
+def _param(body: Any, loc: tuple[Any, ...]) -> str:
+    """The path of ``loc`` that exists in the request (pydantic adds union-member tags to locs),
+    plus a missing field's name, written as OpenAI does: ``messages[0].content``."""
+    out = ""
+    node = body
+    for part in loc:
+        if isinstance(node, dict) and isinstance(part, str):
+            out += f".{part}" if out else part
+            if part not in node:
+                break
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            out += f"[{part}]"
+            node = node[part]
+        else:
+            break
+    return out
+
+
+def _no_such_model(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+
+def _server_error(exc: Exception) -> OpenAIError:
+    if isinstance(exc, ValueError):  # an engine refusing an input (e.g. a token id it cannot embed)
+        return OpenAIError(400, str(exc))
+    if isinstance(exc, GenerationAborted):
+        return OpenAIError(503, str(exc), type_="server_error")
+    log.error("chat completion failed", exc_info=exc)
+    return OpenAIError(500, f"generation failed: {type(exc).__name__}: {exc}", type_="server_error")
+
+
+def _data(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
