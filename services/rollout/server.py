@@ -78,6 +78,17 @@ class TimedEngine:
         return value
 
 
+def engine_error(engine: Engine) -> str | None:
+    """Why the engine cannot serve (``health_error()`` of engines that can tell), or None."""
+    probe = getattr(engine, "health_error", None)
+    if not callable(probe):
+        return None
+    try:
+        return probe()
+    except Exception as exc:  # a probe that fails is itself a reason not to serve
+        return f"engine health check failed: {exc!r}"
+
+
 def _field_error(loc: list[Any], msg: str) -> JSONResponse:
     return JSONResponse(
         status_code=422, content={"detail": [{"type": "value_error", "loc": loc, "msg": msg}]}
@@ -161,11 +172,12 @@ def create_app(
             await timed.shutdown()
 
     app = FastAPI(title="retool rollout", version="0.1.0", lifespan=lifespan)
-    add_observability_routes(
-        app,
-        metrics.registry,
-        lambda: {
-            "status": "ok",
+
+    def health() -> dict[str, Any]:
+        error = engine_error(engine)
+        return {
+            "status": "ok" if error is None else "error",
+            "engine_error": error,
             "model": cfg.model,
             "engine": cfg.engine,
             "weight_version": timed.version,
@@ -173,8 +185,9 @@ def create_app(
             "in_flight": state["in_flight"],
             "redis_worker": state["worker"] is not None,
             "scored": scorer is not None,
-        },
-    )
+        }
+
+    add_observability_routes(app, metrics.registry, health)
 
     @app.post("/v1/rollouts", response_model=None)
     async def rollouts(req: RolloutRequest) -> JSONResponse | StreamingResponse:

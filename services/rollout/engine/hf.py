@@ -35,6 +35,7 @@ import torch
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
 from services.rollout.engine.stops import StopMatcher
+from services.rollout.engine.weight_spec import WeightSpec
 
 
 @dataclass(eq=False)  # identity semantics: sequences are looked up in lists
@@ -77,6 +78,7 @@ class HFEngine:
         self._version = version
         # state-dict names, tied aliases included (e.g. lm_head.weight -> embed_tokens.weight)
         self._params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._spec = WeightSpec.from_module(self.model)
         self._step_lock = threading.Lock()
         # Intra-op threads of the engine thread only. Small models gain nothing from them, and on busy
         # CPUs OpenMP's barriers make every op wait for a descheduled thread (10x slower decode
@@ -147,6 +149,10 @@ class HFEngine:
         self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ weights
+    def weight_spec(self) -> WeightSpec:
+        """Names, shapes and dtypes a push must match (checked by the weight server before a load)."""
+        return self._spec
+
     def weight_specs(self) -> dict[str, tuple[int, ...]]:
         """Every name ``load_weights`` accepts, with its shape (used to reject a bad push early)."""
         return {name: tuple(t.shape) for name, t in self._params.items()}

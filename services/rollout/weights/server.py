@@ -39,6 +39,7 @@ from services.common.logging import get_logger
 from services.common.metrics import MetricsRegistry
 from services.proto_gen import retool_pb2 as pb
 from services.rollout.engine.base import Engine
+from services.rollout.engine.weight_spec import validate_push
 from services.rollout.weights.bucketing import (
     GRPC_BULK_OPTIONS,
     PushError,
@@ -162,6 +163,7 @@ class WeightServicer:
     async def _apply(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
         """Load a complete push; with ``adopt_weights`` the staged buffers become the weights (no copy)
         and the pool swaps in the buffers they replaced (see ``StagingPool.handoff``)."""
+        validate_push(self.engine, tensors)  # names, shapes, dtypes, completeness: before the engine
         adopt = getattr(self.engine, "adopt_weights", None)
         try:
             if not callable(adopt):
