@@ -11,6 +11,9 @@ Invariants:
   takes the same lock, so no forward pass ever mixes old and new weights and every token is
   tagged with the version of the weights that produced it; ``adopt_weights`` swaps the given
   tensors in as ``param.data`` under that lock (no copy) and hands back the replaced storage;
+- after a swap, the KV cache of the running sequences is recomputed with the new weights before
+  their next token (prompt + tokens generated so far), so a token sampled after a swap depends on
+  the new weights only, exactly as if the new weights had produced the whole context;
 - the reported log-prob of a token is ``log_softmax(logits / T)[token]`` for ``T = temperature``
   (``T = 1`` when greedy), i.e. under the temperature-scaled distribution *before* top-p
   truncation — exactly what the trainer recomputes from a forward pass with ``logits / T``
@@ -91,6 +94,7 @@ class HFEngine:
         self._pending: list[_Seq] = []
         self._active: list[_Seq] = []
         self._cache: Any = None
+        self._stale_kv = False  # set by a weight swap: the running sequences' KV is recomputed
         self._mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = left padding
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -190,6 +194,8 @@ class HFEngine:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
+            if tensor.dtype.is_floating_point != param.dtype.is_floating_point:
+                raise ValueError(f"load_weights: {name} has dtype {tensor.dtype}, the model's is {param.dtype}")
         with self._step_lock, torch.no_grad():
             for name, tensor in items:
                 param = self._params[name]
@@ -202,6 +208,7 @@ class HFEngine:
                 else:
                     _copy_into(param, tensor)
             self._version = version
+            self._stale_kv = bool(self._active)
         return replaced
 
     # ------------------------------------------------------------------ scheduling
@@ -254,6 +261,8 @@ class HFEngine:
         with self._step_lock, torch.inference_mode():
             version = self._version
             self._drop([s for s in self._active if s.aborted])
+            if self._stale_kv:
+                self._recompute_kv()
             if self._active:
                 seqs = list(self._active)
                 outs.extend(self._sample(seqs, self._decode(seqs), version))
@@ -282,6 +291,21 @@ class HFEngine:
         self._merge(cache, mask)
         self._active.extend(group)
         return out.logits[:, -1, :].float()
+
+    def _recompute_kv(self) -> None:
+        """Rebuild the running batch's KV cache with the current weights (after a swap)."""
+        from transformers import DynamicCache
+
+        seqs, self._active, self._cache, self._mask = list(self._active), [], None, None
+        self._stale_kv = False
+        for s in seqs:
+            ctx = s.prompt_ids + s.generated[:-1]  # the last sampled token is fed by the next decode
+            cache = DynamicCache()
+            self.model(input_ids=torch.tensor([ctx], dtype=torch.long, device=self.device),
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+            s.n_ctx = len(ctx)
+            self._merge(cache, torch.ones(1, len(ctx), dtype=torch.long, device=self.device))
+            self._active.append(s)
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         assert self._mask is not None and len(seqs) == self._mask.shape[0]
