@@ -30,7 +30,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
-    return tiny_model_dir(tmp_path_factory, "small", seed=0), tiny_model_dir(tmp_path_factory, "small", seed=1)
+    return (tiny_model_dir(tmp_path_factory, "small", seed=0),
+            tiny_model_dir(tmp_path_factory, "small", seed=1))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ async def test_implements_the_protocol_and_greedy_is_deterministic(engine, refs)
 
 async def test_sampled_logprobs_equal_the_teacher_forced_forward(engine, refs):
     prompt = _prompt(engine, "Find the sum of 17 and 25.")
-    results = await collect(engine, prompt, SamplingParams(temperature=1.0, max_tokens=40, seed=11, n=2), "lp")
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=11, n=2)
+    results = await collect(engine, prompt, params, "lp")
     assert len(results) == 2
     for res in results:
         assert len(res.token_ids) == len(res.logprobs) == 40
@@ -183,7 +185,8 @@ async def test_swap_in_the_middle_of_a_long_request(engine, models, refs):
     logprobs: list[float] = []
     versions: list[int] = []
     swap: asyncio.Task[None] | None = None
-    async for chunk in engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=200, seed=9), "mid"):
+    params = SamplingParams(temperature=1.0, max_tokens=200, seed=9)
+    async for chunk in engine.generate(prompt, params, "mid"):
         tokens += chunk.token_ids
         logprobs += chunk.logprobs
         versions += chunk.versions

@@ -51,8 +51,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("scripted")
     a = scripted_model_dir(root / "a", "print(6*7)")
     b = scripted_model_dir(root / "b", "print(8*9)")
-    bad_shape = _altered(a, root / "bad-shape", lambda n, t: t[..., :-1] if n == "model.norm.weight" else t)
-    bad_dtype = _altered(a, root / "bad-dtype", lambda n, t: t.to(torch.int32) if n == "model.norm.weight" else t)
+    norm = "model.norm.weight"
+    bad_shape = _altered(a, root / "bad-shape", lambda n, t: t[..., :-1] if n == norm else t)
+    bad_dtype = _altered(a, root / "bad-dtype", lambda n, t: t.to(torch.int32) if n == norm else t)
     return {"a": a, "b": b, "bad_shape": bad_shape, "bad_dtype": bad_dtype}
 
 

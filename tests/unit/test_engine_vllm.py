@@ -79,7 +79,8 @@ def test_engine_kwargs_unknown_keys_are_named():
     check_engine_kwargs("hf", {"dtype": "float32", "max_batch_size": 8})
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         check_engine_kwargs("hf", {"tensor_parallel_size": 4})
-    check_engine_kwargs("vllm", {"tensor_parallel_size": 4, "gpu_memory_utilization": 0.85, "dtype": "bfloat16"})
+    check_engine_kwargs("vllm", {"tensor_parallel_size": 4, "gpu_memory_utilization": 0.85,
+                                 "dtype": "bfloat16"})
     with pytest.raises(ConfigError, match="tensor_paralel_size.*bogus|bogus.*tensor_paralel_size"):
         check_engine_kwargs("vllm", {"tensor_paralel_size": 4, "bogus": 1})
     with pytest.raises(ConfigError, match="worker_extension_cls.*set by the rollout service"):

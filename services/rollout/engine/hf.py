@@ -195,7 +195,8 @@ class HFEngine:
                 raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
             if tensor.dtype.is_floating_point != param.dtype.is_floating_point:
-                raise ValueError(f"load_weights: {name} has dtype {tensor.dtype}, the model's is {param.dtype}")
+                raise ValueError(
+                    f"load_weights: {name} has dtype {tensor.dtype}, the model's is {param.dtype}")
         with self._step_lock, torch.no_grad():
             for name, tensor in items:
                 param = self._params[name]

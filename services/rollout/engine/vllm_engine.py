@@ -281,6 +281,7 @@ class VLLMEngine:
         return VSamplingParams(
             n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
             seed=seed, stop=list(params.stop), stop_token_ids=sorted(self.eos_token_ids),
+            ignore_eos=True,  # EOS ids are ours (stop_token_ids above), the same set as the HF engine
             include_stop_str_in_output=True, logprobs=0, output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=False, detokenize=True,
         )
