@@ -135,3 +135,23 @@ def test_weight_spec_from_a_model_dir_matches_the_module(tmp_path):
     assert from_dir.aliases == from_module.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert WeightSpec.from_model_dir(model_dir, dtype=torch.bfloat16).tensors[
         "model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_the_compose_gpu_rollout_settings_are_accepted():
+    """deploy/docker-compose.yml's GPU rollout command parses into a RolloutConfig whose engine_kwargs
+    are all vLLM settings (TP 4, bf16, memory utilization, prefix caching)."""
+    from pathlib import Path
+
+    import yaml
+
+    from services.common.config import load_config
+    from services.rollout.config import RolloutConfig
+
+    compose = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "docker-compose.yml").read_text())
+    command = compose["services"]["rollout"]["command"]
+    sets = [command[i + 1] for i, arg in enumerate(command) if arg == "--set"]
+    cfg = load_config(RolloutConfig, overrides=sets)
+    assert cfg.engine == "vllm"
+    assert cfg.engine_kwargs["tensor_parallel_size"] == 4 and cfg.engine_kwargs["enable_prefix_caching"] is True
+    assert 0 < cfg.engine_kwargs["gpu_memory_utilization"] < 1
+    check_engine_kwargs("vllm", cfg.engine_kwargs)

@@ -325,8 +325,8 @@ class VLLMEngine:
             if t.is_floating_point() and t.dtype != self.dtype:
                 t = t.to(self.dtype)
             tensors[name] = t.contiguous().cpu()
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="retool-weights-", suffix=".safetensors", dir=shm)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        fd, path = tempfile.mkstemp(prefix="retool-weights-", suffix=".safetensors", dir=_staging_dir(nbytes))
         os.close(fd)
         try:
             save_file(tensors, path)
@@ -351,6 +351,16 @@ class VLLMEngine:
 
     async def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def _staging_dir(nbytes: int) -> str | None:
+    """``/dev/shm`` when it has room for the push (twice over: headroom for the workers' reads), else
+    the default temporary directory (containers often have a 64 MB ``/dev/shm``)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if st.f_bavail * st.f_frsize >= 2 * nbytes else None
 
 
 def _eos_ids(*values: Any) -> set[int]:
