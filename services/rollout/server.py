@@ -25,7 +25,7 @@ from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, To
 from services.rollout.agent.sandbox import SandboxClient
 from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams
+from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams, engine_error
 from services.rollout.metrics import RolloutMetrics
 
 log = get_logger("rollout")
@@ -76,17 +76,6 @@ class TimedEngine:
         if name == "adopt_weights":  # zero-copy load (HFEngine), timed like load_weights
             return self._timed_adopt
         return value
-
-
-def engine_error(engine: Engine) -> str | None:
-    """Why the engine cannot serve (``health_error()`` of engines that can tell), or None."""
-    probe = getattr(engine, "health_error", None)
-    if not callable(probe):
-        return None
-    try:
-        return probe()
-    except Exception as exc:  # a probe that fails is itself a reason not to serve
-        return f"engine health check failed: {exc!r}"
 
 
 def _field_error(loc: list[Any], msg: str) -> JSONResponse:
@@ -191,6 +180,9 @@ def create_app(
 
     @app.post("/v1/rollouts", response_model=None)
     async def rollouts(req: RolloutRequest) -> JSONResponse | StreamingResponse:
+        if (error := engine_error(engine)) is not None:  # e.g. vLLM's engine core died: restart me
+            metrics.requests.labels("rejected").inc()
+            return JSONResponse(status_code=503, content={"detail": f"engine unavailable: {error}"})
         if req.n > cfg.max_n:
             return _field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
         if req.ground_truth is not None and scorer is None:

@@ -169,6 +169,8 @@ def test_zz_dead_engine_makes_healthz_fail_with_the_reason(replica) -> None:
     assert r.status_code == 503, r.text
     body = r.json()
     assert body["status"] == "error" and "dead" in body["engine_error"]
+    refused = httpx.post(proc.url + "/v1/rollouts", json=REQUEST, timeout=60)
+    assert refused.status_code == 503 and "dead" in refused.json()["detail"]
 
 
 def _descendants(pid: int) -> list[int]:

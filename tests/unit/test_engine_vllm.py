@@ -152,6 +152,7 @@ def test_the_compose_gpu_rollout_settings_are_accepted():
     sets = [command[i + 1] for i, arg in enumerate(command) if arg == "--set"]
     cfg = load_config(RolloutConfig, overrides=sets)
     assert cfg.engine == "vllm"
-    assert cfg.engine_kwargs["tensor_parallel_size"] == 4 and cfg.engine_kwargs["enable_prefix_caching"] is True
+    assert cfg.engine_kwargs["tensor_parallel_size"] == 4
+    assert cfg.engine_kwargs["enable_prefix_caching"] is True
     assert 0 < cfg.engine_kwargs["gpu_memory_utilization"] < 1
     check_engine_kwargs("vllm", cfg.engine_kwargs)
