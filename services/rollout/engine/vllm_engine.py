@@ -82,7 +82,8 @@ def retie_output_layer(model: Any) -> bool:
                                  for m in model.modules()):
         return False
     method = getattr(head, "quant_method", None)
-    if method is not None:
+    # only the unquantized method: its processing is idempotent (a quantized head would be re-quantized)
+    if method is not None and type(method).__name__ == "UnquantizedEmbeddingMethod":
         with torch.no_grad():
             method.process_weights_after_loading(head)
     return True
