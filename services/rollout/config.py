@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -93,6 +93,11 @@ class RolloutConfig(StrictModel):
     log_level: str = "INFO"
     model: str | None = Field(None, description="model directory (weights + tokenizer)")
     engine: Literal["hf", "vllm"] = "hf"
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="engine settings: HFEngine options for hf, vLLM AsyncEngineArgs fields for vllm "
+        "(e.g. --set engine_kwargs.tensor_parallel_size=4); unknown keys are a config error",
+    )
     sandbox_url: str = "http://127.0.0.1:8080"
     reward_url: str | None = Field(None, description="reward service; unset = trajectories unscored")
     weight_token_env: str | None = Field("RETOOL_WEIGHT_TOKEN", description="env var holding the token")

@@ -27,14 +27,20 @@ def load_engine(cfg: RolloutConfig) -> tuple[Any, Any]:
         raise ConfigError("model: a model directory is required (--model DIR)")
     if not Path(cfg.model).is_dir():
         raise ConfigError(f"model: {cfg.model} is not a directory")
+    from services.rollout.engine.options import check_engine_kwargs
+
+    check_engine_kwargs(cfg.engine, cfg.engine_kwargs)  # before any engine starts
     if cfg.engine == "hf":
         from services.rollout.engine.hf import HFEngine
 
-        engine = HFEngine(cfg.model)
+        try:
+            engine = HFEngine(cfg.model, **cfg.engine_kwargs)
+        except (TypeError, AttributeError) as exc:  # e.g. engine_kwargs.dtype=float33
+            raise ConfigError(f"engine_kwargs: {exc}") from exc
         return engine, engine.tokenizer
     from services.rollout.engine.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(cfg.model)
+    engine = VLLMEngine(cfg.model, **cfg.engine_kwargs)
     return engine, engine.tokenizer
 
 

@@ -25,7 +25,7 @@ from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, To
 from services.rollout.agent.sandbox import SandboxClient
 from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
-from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams
+from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams, engine_error
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.openai_api.router import openai_router
 
@@ -169,11 +169,12 @@ def create_app(
             await timed.shutdown()
 
     app = FastAPI(title="retool rollout", version="0.1.0", lifespan=lifespan)
-    add_observability_routes(
-        app,
-        metrics.registry,
-        lambda: {
-            "status": "ok",
+
+    def health() -> dict[str, Any]:
+        error = engine_error(engine)
+        return {
+            "status": "ok" if error is None else "error",
+            "engine_error": error,
             "model": cfg.model,
             "engine": cfg.engine,
             "weight_version": timed.version,
@@ -181,13 +182,17 @@ def create_app(
             "in_flight": state["in_flight"],
             "redis_worker": state["worker"] is not None,
             "scored": scorer is not None,
-        },
-    )
+        }
+
+    add_observability_routes(app, metrics.registry, health)
 
     app.include_router(openai_router(cfg, timed, tokenizer, metrics, state))
 
     @app.post("/v1/rollouts", response_model=None)
     async def rollouts(req: RolloutRequest) -> JSONResponse | StreamingResponse:
+        if (error := engine_error(engine)) is not None:  # e.g. vLLM's engine core died: restart me
+            metrics.requests.labels("rejected").inc()
+            return JSONResponse(status_code=503, content={"detail": f"engine unavailable: {error}"})
         if req.n > cfg.max_n:
             return _field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
         if req.ground_truth is not None and scorer is None:

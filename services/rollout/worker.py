@@ -8,6 +8,8 @@ At-least-once semantics:
 - a job that fails here (engine or reward error) is left pending and is retried after
   ``claim_idle_ms``; a job that cannot be decoded, is invalid for this replica (n, prompt length)
   or was delivered more than ``max_deliveries`` times goes to ``<prompts_stream>:dead`` and is acked;
+- while the engine reports itself broken (``engine_error``, e.g. a dead vLLM engine core) no job is
+  read or claimed: they stay in the stream for healthy replicas (and for this one once restarted);
 - on shutdown, running jobs get ``drain_s`` to finish; the rest are cancelled and stay pending;
 - a replica presumed dead that still finishes writes a second group for the same job: the
   trainer dedupes groups on ``job_id``.
@@ -27,6 +29,7 @@ from services.common.queue import RedisStream, StreamMessage, publish_and_ack
 from services.common.schemas import Group, PromptJob, version_range
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.config import RedisWorkerConfig
+from services.rollout.engine.base import engine_error
 
 log = get_logger("rollout.worker")
 
@@ -83,6 +86,9 @@ class RolloutWorker:
                         timeout=self.cfg.block_ms / 1000,
                         return_when=asyncio.FIRST_COMPLETED,
                     )
+                    continue
+                if engine_error(self.agent.engine) is not None:  # take no job a broken engine would fail
+                    await asyncio.sleep(self.cfg.block_ms / 1000)
                     continue
                 msgs: list[StreamMessage] = []
                 now = time.monotonic()

@@ -231,3 +231,39 @@ async def test_poison_jobs_go_to_dead_letter(redis_server, sandbox_url, reward_u
     for c in closers:
         await c.aclose()
     await client.aclose()
+
+
+async def test_a_broken_engine_takes_no_jobs_until_it_reports_healthy(redis_server, sandbox_url,
+                                                                      reward_url) -> None:
+    """While the engine says it cannot serve (e.g. vLLM's engine core died), the worker leaves jobs in
+    the stream (undelivered, nothing dead-lettered), and takes them once the engine is healthy."""
+    client = connect(redis_server.url)
+    prompts = RedisStream(client, PROMPTS, "rollout")
+    groups = RedisStream(client, GROUPS, "trainer")
+    await groups.ensure_group()
+    worker, closers = _worker(client, sandbox_url, reward_url)
+    state: dict[str, Any] = {"error": "vLLM engine core is dead (EngineDeadError)", "probes": 0}
+
+    def health_error() -> str | None:
+        state["probes"] += 1
+        return state["error"]
+
+    worker.agent.engine.health_error = health_error
+    await prompts.add(_job().to_msgpack())
+
+    async def probed_while_broken() -> bool:  # the worker loop went round a few times
+        return state["probes"] >= 5
+
+    await _run_until(worker, probed_while_broken)
+    assert await prompts.depth() == 1 and await prompts.pending() == 0  # never delivered
+    assert worker.stats.jobs_failed == worker.stats.jobs_dead == 0
+    state["error"] = None
+
+    async def written() -> bool:
+        return await groups.depth() >= 1
+
+    await _run_until(worker, written)
+    assert worker.stats.jobs_done == 1
+    for c in closers:
+        await c.aclose()
+    await client.aclose()

@@ -73,6 +73,18 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+def engine_error(engine: object) -> str | None:
+    """Why ``engine`` cannot serve (``health_error()`` of engines that can tell, e.g. a dead vLLM engine
+    core), or None when it can."""
+    probe = getattr(engine, "health_error", None)
+    if not callable(probe):
+        return None
+    try:
+        return probe()
+    except Exception as exc:  # a probe that fails is itself a reason not to serve
+        return f"engine health check failed: {exc!r}"
+
+
 async def collect(engine: Engine, prompt_ids: list[int], params: SamplingParams,
                   request_id: str) -> list[GenerationResult]:
     """Run ``generate`` to completion and gather one result per sample."""

@@ -13,6 +13,9 @@ Invariants:
   tensors in as ``param.data`` under that lock (no copy) and hands back the replaced storage;
   ``patch_weights`` does the same and also writes delta patches into the served tensors in place,
   under the same lock, after validating every patch (a refused patch changes nothing);
+- after a swap, the KV cache of the running sequences is recomputed with the new weights before
+  their next token (prompt + tokens generated so far), so a token sampled after a swap depends on
+  the new weights only, exactly as if the new weights had produced the whole context;
 - the reported log-prob of a token is ``log_softmax(logits / T)[token]`` for ``T = temperature``
   (``T = 1`` when greedy), i.e. under the temperature-scaled distribution *before* top-p
   truncation — exactly what the trainer recomputes from a forward pass with ``logits / T``
@@ -37,6 +40,7 @@ import torch
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
 from services.rollout.engine.stops import StopMatcher
+from services.rollout.engine.weight_spec import WeightSpec
 
 
 @dataclass(eq=False)  # identity semantics: sequences are looked up in lists
@@ -79,6 +83,7 @@ class HFEngine:
         self._version = version
         # state-dict names, tied aliases included (e.g. lm_head.weight -> embed_tokens.weight)
         self._params: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=True))
+        self._spec = WeightSpec.from_module(self.model)
         self._step_lock = threading.Lock()
         # Intra-op threads of the engine thread only. Small models gain nothing from them, and on busy
         # CPUs OpenMP's barriers make every op wait for a descheduled thread (10x slower decode
@@ -91,6 +96,7 @@ class HFEngine:
         self._pending: list[_Seq] = []
         self._active: list[_Seq] = []
         self._cache: Any = None
+        self._stale_kv = False  # set by a weight swap: the running sequences' KV is recomputed
         self._mask: torch.Tensor | None = None  # (B, L) 1 = real token, 0 = left padding
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -154,6 +160,10 @@ class HFEngine:
         """dtype name of the served floating-point weights (what a delta push must be encoded in)."""
         return str(self.model.dtype).removeprefix("torch.")
 
+    def weight_spec(self) -> WeightSpec:
+        """Names, shapes and dtypes a push must match (checked by the weight server before a load)."""
+        return self._spec
+
     def weight_specs(self) -> dict[str, tuple[int, ...]]:
         """Every name ``load_weights`` accepts, with its shape (used to reject a bad push early)."""
         return {name: tuple(t.shape) for name, t in self._params.items()}
@@ -202,6 +212,9 @@ class HFEngine:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
+            if tensor.dtype.is_floating_point != param.dtype.is_floating_point:
+                raise ValueError(
+                    f"load_weights: {name} has dtype {tensor.dtype}, the model's is {param.dtype}")
         touched = {id(self._params[n]) for n, _ in items}
         for patch in patches:
             param = self._params.get(patch.name)
@@ -225,6 +238,7 @@ class HFEngine:
                 else:
                     _copy_into(param, tensor)
             self._version = version
+            self._stale_kv = bool(self._active)
         return replaced
 
     # ------------------------------------------------------------------ scheduling
@@ -277,6 +291,8 @@ class HFEngine:
         with self._step_lock, torch.inference_mode():
             version = self._version
             self._drop([s for s in self._active if s.aborted])
+            if self._stale_kv:
+                self._recompute_kv()
             if self._active:
                 seqs = list(self._active)
                 outs.extend(self._sample(seqs, self._decode(seqs), version))
@@ -305,6 +321,21 @@ class HFEngine:
         self._merge(cache, mask)
         self._active.extend(group)
         return out.logits[:, -1, :].float()
+
+    def _recompute_kv(self) -> None:
+        """Rebuild the running batch's KV cache with the current weights (after a swap)."""
+        from transformers import DynamicCache
+
+        seqs, self._active, self._cache, self._mask = list(self._active), [], None, None
+        self._stale_kv = False
+        for s in seqs:
+            ctx = s.prompt_ids + s.generated[:-1]  # the last sampled token is fed by the next decode
+            cache = DynamicCache()
+            self.model(input_ids=torch.tensor([ctx], dtype=torch.long, device=self.device),
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+            s.n_ctx = len(ctx)
+            self._merge(cache, torch.ones(1, len(ctx), dtype=torch.long, device=self.device))
+            self._active.append(s)
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         assert self._mask is not None and len(seqs) == self._mask.shape[0]

@@ -47,6 +47,7 @@ from services.common.logging import get_logger
 from services.common.metrics import MetricsRegistry
 from services.proto_gen import retool_pb2 as pb
 from services.rollout.engine.base import Engine
+from services.rollout.engine.weight_spec import validate_push
 from services.rollout.weights.bucketing import (
     GRPC_BULK_OPTIONS,
     PushError,
@@ -234,11 +235,14 @@ class WeightServicer:
         (delta pushes) go to ``patch_weights``, or are applied to copies of the served tensors that
         ``load_weights`` gets in full. The lineage is set again only once the load succeeded."""
         patches = patches or []
+        delta = stager is not None and stager.delta
+        # names, shapes, dtypes (and, for a full push, completeness): checked before the engine
+        validate_push(self.engine, tensors, complete=not delta)
         lineage, self._lineage = self._lineage, ""
         patch = getattr(self.engine, "patch_weights", None)
         adopt = getattr(self.engine, "adopt_weights", None)
         try:
-            if callable(patch) and (patches or (stager is not None and stager.delta)):
+            if callable(patch) and (patches or delta):
                 replaced = await patch(tensors, patches, version)
             elif callable(adopt):
                 replaced = await adopt(tensors, version)
