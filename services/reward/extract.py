@@ -43,7 +43,7 @@ _CONNECTOR = re.compile(
 )
 _MAX_GAP = 80
 _GAP_LABEL = re.compile(
-    r"(?:[A-Za-z]|\\[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?(?:\([A-Za-z0-9]\))?\s*=\s*$"
+    r"(?<![A-Za-z\\])(?:[A-Za-z]|\\[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?(?:\([A-Za-z0-9]\))?\s*=\s*$"
     r"|\([A-Za-z](?:\s*,\s*[A-Za-z])+\)\s*=\s*$"
 )
 _MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]")

@@ -16,7 +16,7 @@ import re
 
 _WRAPPER_NAMES = r"text|textbf|textit|textrm|textnormal|textsf|mathrm|mathbf|mathit|mathsf|operatorname|mbox"
 _WRAPPERS = re.compile(rf"\\(?:{_WRAPPER_NAMES})\s*\{{([^{{}}]*)\}}")
-_SPACING = re.compile(r"\\[,;:> ]|\\q?quad|~")
+_SPACING = re.compile(r"(?<!\\)\\[,;:> ]|\\q?quad|~")
 _NEGATIVE_SPACE = re.compile(r"\\!")
 _TEX_THOUSANDS = re.compile(r"(?<=\d),\\!\s*(?=\d{3}(?!\d))")  # "32,\! 349": MATH's thousands comma
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree")
