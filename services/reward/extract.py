@@ -14,7 +14,8 @@ follow each other with nothing but separators between them (spaces, commas, ``an
 \\boxed{(6,2)}`` → ``(2,2), (6,2)``; a short label right before a joined box is kept
 (``y_1 = \\boxed{a}`` and ``y_2 = \\boxed{b}`` → ``y_1 = a, y_2 = b``). Words between
 boxes end the group: "I first got \\boxed{3} but then \\boxed{5}" answers 5. In an answer
-line with words around math (``Answer: The area is $12$.``) the math is the answer.
+line with words around math (``Answer: The area is $12$.``) the math is the answer, when
+it is one group and no number stands outside it ("it is $3$, not $4$" is left as written).
 
 Invariant: extraction is linear in the response length (no per-match rescans, no
 backtracking regex over a line, only the last candidate of each form is ever read out),
@@ -105,6 +106,18 @@ def _label_before(text: str, lo: int, span: Span) -> str:
     return m.group(0) if m else ""
 
 
+def _group(text: str, spans: list[Span], leading: bool) -> tuple[int, int]:
+    """Index range of the last (with ``leading``, the first) group joined by separators only."""
+    i = j = 0 if leading else len(spans) - 1
+    if leading:
+        while j + 1 < len(spans) and _connects(_gap(text, spans[j], spans[j + 1])):
+            j += 1
+    else:
+        while i > 0 and _connects(_gap(text, spans[i - 1], spans[i])):
+            i -= 1
+    return i, j
+
+
 def join_parts(text: str, spans: list[Span], *, leading: bool = False) -> str:
     """The last (with ``leading``, the first) group of spans with only separators between.
 
@@ -113,13 +126,7 @@ def join_parts(text: str, spans: list[Span], *, leading: bool = False) -> str:
     """
     if not spans:
         return ""
-    i = j = 0 if leading else len(spans) - 1
-    if leading:
-        while j + 1 < len(spans) and _connects(_gap(text, spans[j], spans[j + 1])):
-            j += 1
-    else:
-        while i > 0 and _connects(_gap(text, spans[i - 1], spans[i])):
-            i -= 1
+    i, j = _group(text, spans, leading)
     contents = [span[2] for span in spans[i : j + 1]]
     if len(set(contents)) == 1:
         return contents[0]
@@ -200,6 +207,8 @@ def _from_line(line: str) -> str:
         return line  # "$17$": the delimiters go later
     if any(ch.isdigit() for ch in _MATH_SPAN.sub(" ", line)):
         return line  # "The largest $n$ is 34": numbers outside the math, no guessing
+    if _group(line, spans, leading=not before) != (0, len(spans) - 1):
+        return line  # "it is $3$, not $4$": words between the math, no guessing
     return join_parts(line, spans, leading=not before)
 
 

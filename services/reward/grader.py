@@ -26,7 +26,7 @@ from services.reward.workers import SymbolicPool
 
 Reason = Literal["exact", "equivalent", "mismatch", "no_answer", "timeout", "invalid_ground_truth"]
 MAX_ANSWER_CHARS = 1000
-_TEXTY = re.compile(r"^[a-z][a-z ]*$")
+_TEXTY = re.compile(r"^[a-z][a-z ]+$")  # words; a single letter may be a variable or i
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,8 @@ def _expr_equal(a: sympy.Basic, b: sympy.Basic) -> bool:
         # Unevaluated parses keep the order they were written in: rebuild them canonically
         # ("15+2\sqrt{33}" vs "2\sqrt{33}+15" inside a radical otherwise costs a full simplify).
         a, b = a.doit(), b.doit()
+        if _undefined(a) or _undefined(b):
+            return False  # "\\frac{\\pi}{0}" only shows its zoo once evaluated
         if a == b:
             return True
         diff = a - b
@@ -201,7 +203,9 @@ def _relations_equal(a: sympy.Rel, b: sympy.Rel) -> bool:
     (ka, ea), (kb, eb) = _canonical(a), _canonical(b)
     if ka != kb:
         return False
-    ea, eb = _exact(ea), _exact(eb)
+    ea, eb = _exact(ea).doit(), _exact(eb).doit()
+    if _undefined(ea) or _undefined(eb):
+        return False
     if _expr_equal(ea, eb):
         return True
     if ka in ("=", "!=") and _expr_equal(ea, -eb):
