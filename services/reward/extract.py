@@ -25,6 +25,7 @@ because it runs inline in the service's event loop.
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 
 _TOOL_BLOCKS = re.compile(r"<(code|interpreter|tool_call|tool_response)>.*?(</\1>|$)", re.S)
@@ -43,6 +44,7 @@ _CONNECTOR = re.compile(
     re.I,
 )
 _MAX_GAP = 80
+_MAX_PARTS = 64  # more parts than this is no answer (and far over max_answer_chars anyway)
 _GAP_LABEL = re.compile(
     r"(?<![A-Za-z\\])(?:[A-Za-z]|\\[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?(?:\([A-Za-z0-9]\))?\s*=\s*$"
     r"|\([A-Za-z](?:\s*,\s*[A-Za-z])+\)\s*=\s*$"
@@ -110,10 +112,10 @@ def _group(text: str, spans: list[Span], leading: bool) -> tuple[int, int]:
     """Index range of the last (with ``leading``, the first) group joined by separators only."""
     i = j = 0 if leading else len(spans) - 1
     if leading:
-        while j + 1 < len(spans) and _connects(_gap(text, spans[j], spans[j + 1])):
+        while j + 1 < len(spans) and j < _MAX_PARTS and _connects(_gap(text, spans[j], spans[j + 1])):
             j += 1
     else:
-        while i > 0 and _connects(_gap(text, spans[i - 1], spans[i])):
+        while i > 0 and j - i < _MAX_PARTS and _connects(_gap(text, spans[i - 1], spans[i])):
             i -= 1
     return i, j
 
@@ -199,8 +201,9 @@ def _from_line(line: str) -> str:
     boxes = boxed_spans(line)
     if boxes:
         return join_parts(line, boxes)
-    spans = [(m.start(), m.end(), next(g for g in m.groups() if g)) for m in _MATH_SPAN.finditer(line)]
-    if not spans:
+    found = itertools.islice(_MATH_SPAN.finditer(line), _MAX_PARTS + 1)
+    spans = [(m.start(), m.end(), next(g for g in m.groups() if g)) for m in found]
+    if not spans or len(spans) > _MAX_PARTS:
         return line
     before, after = line[: spans[0][0]].strip(), line[spans[-1][1] :].strip(" .")
     if not before and not after and len(spans) == 1:
