@@ -45,6 +45,7 @@ _CONNECTOR = re.compile(
 )
 _MAX_GAP = 80
 _MAX_PARTS = 64  # more parts than this is no answer (and far over max_answer_chars anyway)
+_MAX_DISPLAY = 2000  # how far an answer line's display math may run on
 _GAP_LABEL = re.compile(
     r"(?<![A-Za-z\\])(?:[A-Za-z]|\\[a-z]+)(?:_\{?[A-Za-z0-9]+\}?)?(?:\([A-Za-z0-9]\))?\s*=\s*$"
     r"|\([A-Za-z](?:\s*,\s*[A-Za-z])+\)\s*=\s*$"
@@ -170,29 +171,37 @@ def _rest_of_line(text: str, start: int) -> str:
 
 
 def _answer_line(text: str, start: int) -> str:
-    """The rest of the line after ``Answer:``, or the next non-empty line when it is empty."""
+    """The rest of the line after ``Answer:``, or the next non-empty line when it is empty;
+    display math opened on it runs on to its close."""
     line = _rest_of_line(text, start)
-    if line.strip():
-        return line
-    end = _line_end(text, start)
-    nxt = end + 1
-    while nxt < len(text) and text[nxt].isspace():
-        nxt += 1
-    if nxt >= len(text) or _ANSWER_HEAD.match(text, nxt):
-        return ""
-    return _rest_of_line(text, nxt)
+    if not line.strip():
+        nxt = _line_end(text, start) + 1
+        while nxt < len(text) and text[nxt].isspace():
+            nxt += 1
+        if nxt >= len(text) or _ANSWER_HEAD.match(text, nxt):
+            return ""
+        start, line = nxt, _rest_of_line(text, nxt)
+    return _with_display_math(text, start, line)
 
 
 def _final_is(text: str, start: int) -> str:
-    """Minerva's "The final answer is …": the rest of the line (the next line if that is empty)."""
+    """Minerva's "The final answer is …": the rest of the line (the next line if that is empty),
+    up to "I hope it is correct" wherever that stands."""
     while start < len(text) and (text[start] == ":" or text[start].isspace()):
         start += 1
     line = _rest_of_line(text, start)
-    low = line.lower()
-    for suffix in (_HOPE + ".", _HOPE):
-        if low.endswith(suffix):
-            line = line[: len(line) - len(suffix)].rstrip()
-            break
+    hope = line.lower().find(_HOPE)
+    return line[:hope].rstrip() if hope != -1 else line
+
+
+def _with_display_math(text: str, line_start: int, line: str) -> str:
+    """A line that opens ``\\[`` or ``$$`` and closes it on a later line: through the close."""
+    for left, right in (("\\[", "\\]"), ("$$", "$$")):
+        opened = line.rfind(left)
+        if opened != -1 and line.find(right, opened + len(left)) == -1:
+            close = text.find(right, line_start + len(line), line_start + len(line) + _MAX_DISPLAY)
+            if close != -1:
+                return " ".join(text[line_start : close + len(right)].split())
     return line
 
 

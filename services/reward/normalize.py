@@ -91,7 +91,8 @@ _WRAPPED_UNIT = re.compile(
 _UNITS = re.compile(rf"(?:(?<=[\d}}).])|(?<=\\pi))\s*(?:{_UNIT_ALT}){_POWER}$", re.I)
 _TEXT_CONNECTIVE = re.compile(rf"\\(?:{_WRAPPER_NAMES})\s*\{{\s*(,?\s*(?:and|or)|,)\s*\}}")
 _CONNECTIVE = re.compile(r"(?<=\S)\s*,?\s*\b(?:and|or)\b\s*(?=\S)")
-_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?$")
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:(?:,|\s*\{,\}\s*)\d{3})+(?:\.\d+)?$")
+_TEX_COMMA = re.compile(r"\{\s*,\s*\}")  # "{,}" and "{, }": TeX's comma without a space after it
 # Relations, one spelling each; "\le" only as a whole macro (not "\left", "\leq").
 _RELATIONS = (
     (re.compile(r"<=|≤|\\leqslant(?![a-zA-Z])|\\le(?![a-zA-Z])"), r"\\leq "),
@@ -151,8 +152,9 @@ def normalize(answer: str) -> str:
     s = _SPACING.sub(" ", _NEGATIVE_SPACE.sub("", _TEX_THOUSANDS.sub("{,}", s))).strip().rstrip(".").strip()
     s = _UNITS.sub("", s).strip()
     s = _CONNECTIVE.sub(",", s)
+    s = _TEX_COMMA.sub("{,}", s)
     if _THOUSANDS.match(s):  # before whitespace goes: "32, 349" is a list, never 32349
-        s = s.replace("{,}", "").replace(",", "")
+        s = re.sub(r"\s|\{,\}|,", "", s)
     s = _WHITESPACE.sub(_space, s).replace("{,}", ",")
     s = _SQRT_TOKEN.sub(r"\\sqrt{\1}", s)
     s = _LOG_BASE_TOKEN.sub(r"\\log_{\1}", s)

@@ -135,6 +135,7 @@ def equal(a: object, b: object) -> bool:  # noqa: PLR0911 - one branch per kind 
         if not (isinstance(a, list | tuple) and isinstance(b, list | tuple)) or len(a) != len(b):
             return False
         return all(equal(x, y) for x, y in zip(a, b, strict=True))
+    a, b = _explicit_matrix(a), _explicit_matrix(b)
     if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
         return (
             isinstance(a, sympy.MatrixBase)
@@ -180,6 +181,14 @@ def equal(a: object, b: object) -> bool:  # noqa: PLR0911 - one branch per kind 
 
 
 _SETS = (sympy.Union, sympy.Intersection, sympy.Complement)
+
+
+def _explicit_matrix(x: object) -> object:
+    """A sum or product of explicit matrices (``A + B``, ``AB``) carried out."""
+    if isinstance(x, sympy.MatrixExpr) and not isinstance(x, sympy.MatrixBase):
+        done = x.doit()
+        return done if isinstance(done, sympy.MatrixBase) else x
+    return x
 
 
 def _evaluate_sets(x: object) -> object:

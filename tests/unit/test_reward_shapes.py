@@ -96,6 +96,10 @@ def test_relation_items_keep_their_interval_reading():
         ("\\{1,2,3\\}\\setminus\\{2\\}", "\\{1,3\\}", True),
         ("\\{1,3\\}\\cup\\{2,4\\}", "\\{1,2,3\\}", False),
         ("2\\sqrt{33}+15", "15+2\\sqrt{33}", True),
+        ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}+\\begin{pmatrix}5&6\\\\7&8\\end{pmatrix}",
+         "\\begin{pmatrix}6&8\\\\10&12\\end{pmatrix}", True),  # a sum of matrices, carried out
+        ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}+\\begin{pmatrix}5&6\\\\7&8\\end{pmatrix}",
+         "\\begin{pmatrix}6&8\\\\10&13\\end{pmatrix}", False),
     ],
 )
 def test_symbolic_relations_and_sets(pred, truth, expected):
@@ -141,6 +145,7 @@ def test_division_by_zero_is_never_a_value(truth, pred):
         ("32,\\!349", "32349", True),
         ("1,234,567", "1234567", True),
         ("1,000.5", "1000.5", True),
+        ("14 {, }916", "14916", True),
     ],
 )
 def test_a_list_is_a_number_only_by_the_thousands_rule(pred, truth, correct):
@@ -165,6 +170,9 @@ def test_a_list_is_a_number_only_by_the_thousands_rule(pred, truth, correct):
         ("Answer: $x = 2$ or $x = 3$", "x = 2, x = 3"),
         ("Answer: The answer is $3$, not $4$.", "The answer is $3$, not $4$"),  # no guessing
         ("Answer: The largest $n$ is 34.", "The largest $n$ is 34"),
+        ("Answer:\n\\[\n17\n\\]", "17"),  # display math over several lines
+        ("Answer: the value is \\[\n  \\frac{1}{2}\n\\] as shown", "\\frac{1}{2}"),
+        ("The final answer is $14{,}916$. I hope it is correct. Note: 3 and 4 divide it.", "14{,}916"),
     ],
 )
 def test_extraction_of_several_parts_and_next_lines(response, answer):
