@@ -38,6 +38,7 @@ class _PoolCollector(Collector):
             ("timeouts", "Symbolic checks stopped at the work limit or the wall backstop", st.timeouts),
             ("wall_timeouts", "Of those, stopped at the wall backstop (a starved worker)", st.wall_timeouts),
             ("work_seconds", "Wall seconds workers spent on checks", st.work_seconds),
+            ("cpu_seconds", "CPU seconds workers spent on checks (what timeout_s limits)", st.cpu_seconds),
             ("wait_seconds", "Seconds checks waited for a free worker (never counted in the limit)",
              st.wait_seconds),
         )

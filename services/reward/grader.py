@@ -1,12 +1,14 @@
-"""Grade a response against a ground truth: extract → normalise → exact → symbolic.
+"""Grade a response against a ground truth: extract → normalise → shape → exact → symbolic.
 
 Invariant: every grade ends in one of the ``Reason`` values; only ``exact``,
-``equivalent`` are correct. The fast path (string identity, exact rationals, text) runs
-inline and is linear in the response length; only what it cannot decide goes to the
-killable symbolic pool. An extracted answer longer than ``max_answer_chars`` (or twice the
-ground truth, whichever is more) is cut off before any parsing as incorrect with reason
-``timeout`` — the same outcome as an answer whose check runs past the limit, reached in
-microseconds instead of after tying up a worker until it is killed.
+``equivalent`` are correct. The shape step (labels, chains, relations, labelled lists) only
+picks the two values to compare, or rejects outright (``y = 3`` for ``x = 3``); whether two
+values are equal is always left to the comparisons after it. The fast path (string identity,
+exact rationals, text) runs inline and is linear in the response length; only what it cannot
+decide goes to the killable symbolic pool. An extracted answer longer than
+``max_answer_chars`` (or twice the ground truth, whichever is more) is cut off before any
+parsing as incorrect with reason ``timeout`` — the same outcome as an answer whose check runs
+past the limit, reached in microseconds instead of after tying up a worker until it is killed.
 """
 
 from __future__ import annotations

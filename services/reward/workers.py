@@ -95,6 +95,7 @@ class PoolStats:
     wall_timeouts: int = 0  # of which at the wall backstop (a starved, not a busy, worker)
     checks: int = 0  # checks that reached a worker
     work_seconds: float = 0.0  # wall seconds workers spent on checks (for Retry-After)
+    cpu_seconds: float = 0.0  # CPU seconds workers spent on checks (what the limit counts)
     wait_seconds: float = 0.0  # seconds checks waited for a free worker
 
 
@@ -195,14 +196,14 @@ class SymbolicPool:
         cpu0 = worker.cpu_seconds()
         wall0 = loop.time()
         answer = asyncio.ensure_future(worker.send([pred, truth]))
+        used = 0.0
         try:
             while True:
                 wall_left = self.wall_limit_s - (loop.time() - wall0)
                 cpu = worker.cpu_seconds()
-                if cpu is None or cpu0 is None:  # no /proc: the limit falls back to wall time
-                    cpu_left = self.timeout_s - (loop.time() - wall0)
-                else:
-                    cpu_left = self.timeout_s - (cpu - cpu0)
+                # without /proc the limit falls back to wall time
+                used = loop.time() - wall0 if cpu is None or cpu0 is None else cpu - cpu0
+                cpu_left = self.timeout_s - used
                 if cpu_left <= 0 or wall_left <= 0:
                     if wall_left <= 0 and cpu_left > 0:
                         self.stats.wall_timeouts += 1
@@ -211,6 +212,7 @@ class SymbolicPool:
                 if done:
                     return answer.result()
         finally:
+            self.stats.cpu_seconds += used
             if not answer.done():
                 answer.cancel()
 

@@ -175,7 +175,8 @@ async def test_pathological_inputs_time_out_fast_and_the_pool_recovers():
             verdict = await grader.grade(f"\\boxed{{{answer}}}", "x^2+1")
             assert verdict.reason == "timeout" and not verdict.correct
             assert time.monotonic() - start < grader.pool.wall_limit_s
-        assert grader.pool.timeouts == 2
+        assert grader.pool.timeouts == 2 and grader.pool.stats.wall_timeouts == 0
+        assert 2 * 1.0 <= grader.pool.stats.cpu_seconds < 2 * 1.25  # each stopped at its CPU second
         huge = "+".join(["(x+1)^{20}"] * 10_000)  # ~100 KB: refused before any parsing
         verdict = await grader.grade(f"\\boxed{{{huge}}}", "x^2+1")
         assert not verdict.correct and verdict.reason == "timeout"
