@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import Literal
 
 from services.reward import exact_special
-from services.reward.exact import compare_structures, to_fraction, to_structure
+from services.reward.exact import compare_structures, to_fraction, to_structure, undefined
 from services.reward.extract import extract_answer
 from services.reward.normalize import normalize
 from services.reward.shape import align
@@ -67,6 +67,8 @@ def fast_grade(
     pred, truth = aligned
     if pred == truth:
         return Verdict(True, extracted, "exact")
+    if undefined(pred) or undefined(truth):
+        return Verdict(False, extracted, "mismatch")  # a division by zero is never a value
     tf, pf = to_fraction(truth), to_fraction(pred)
     if tf is not None and pf is not None:
         return Verdict(tf == pf, extracted, "exact" if tf == pf else "mismatch")

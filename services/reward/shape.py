@@ -83,13 +83,13 @@ def split_relations(s: str) -> tuple[list[str], list[str]]:
             if op is not None and op.startswith("\\") and s[i + len(op) : i + len(op) + 1].isalpha():
                 op = None  # "\infty", "\neqq": a longer macro, not the relation
             if op is not None:
-                parts.append(s[start:i])
+                parts.append(s[start:i].strip())
                 ops.append(op)
                 i += len(op)
                 start = i
                 continue
         i += 1
-    parts.append(s[start:])
+    parts.append(s[start:].strip())
     return parts, ops
 
 
@@ -165,6 +165,8 @@ def _is_interval_text(s: str) -> bool:
 
 
 def _single(p: Item, t: Item) -> tuple[str, str] | None:
+    if p.interval is not None and t.interval is not None:  # "5 \\geq x" vs "x \\leq 5": intervals
+        return (p.interval[1], t.interval[1]) if p.interval[0] == t.interval[0] else None
     if p.kind == "relation" or t.kind == "relation":
         for rel, other in ((p, t), (t, p)):
             if rel.interval is not None and other.kind != "relation" and _is_interval_text(other.value):

@@ -32,7 +32,8 @@ from services.reward.symbolic import symbolic_equal
         ("0<f(x)<1", "(0,1)", ("(0,1)", "(0,1)")),
         ("x>3", "(3,\\infty)", ("(3,\\infty)", "(3,\\infty)")),
         ("y>3", "x\\in(3,\\infty)", None),
-        ("5\\geq x", "x\\leq5", ("5\\geq x", "x\\leq5")),  # two relations: the symbolic path decides
+        ("5\\geq x", "x\\leq5", ("(-\\infty,5]", "(-\\infty,5]")),  # one variable: as intervals
+        ("-x>-1", "x<1", ("-x>-1", "x<1")),  # two relations: the symbolic path decides
         ("y=3,x=2", "x=2,y=3", ("(2,3)", "(2,3)")),  # distinct labels: paired by label
         ("4,5", "AB=4,CD=5", ("(4,5)", "(4,5)")),  # one side bare: in written order
         ("x=-1,x=2", "2,-1", ("-1,2", "2,-1")),  # one repeated label: unordered

@@ -82,7 +82,16 @@ STRUCTURES = [
     ("1,2", "1,2,3", False),
     ("2", "2,-2", False),
     ("(1,2)", "2", False),
-    ("[1,2]", "[1,2)", None),  # openness differs: the interval rules decide
+    ("[1,2]", "[1,2)", False),  # openness differs
+    ("(1,2)", "[1,2]", False),  # an open interval (or a pair) is not a closed interval
+    ("(1,2,3)", "[1,2,3]", None),  # no interval: the symbolic path reads both as sequences
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{bmatrix}1&2\\\\3&4\\end{bmatrix}", True),
+    ("\\begin{pmatrix}0.5&1\\end{pmatrix}", "\\begin{pmatrix}\\frac{1}{2}&1\\end{pmatrix}", True),
+    ("\\begin{pmatrix}1&2\\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", False),  # row vs column
+    ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "(1,2,3,4)", False),
+    ("\\begin{pmatrix}2\\end{pmatrix}", "2", False),
+    ("\\begin{pmatrix}x&2\\end{pmatrix}", "\\begin{pmatrix}x&2\\end{pmatrix}", None),  # not all numbers
+    ("11:21", "22:42", True),
     ("(1,2)", "1,2", None),  # tuple vs unordered list
     ("1,1,2", "1,2", None),  # duplicates
     ("(-\\infty,3]", "(-\\infty,3]", True),
