@@ -79,6 +79,13 @@ def fast_grade(
             return Verdict(other == number, extracted, "equivalent" if other == number else "mismatch")
         if other == exact_special.IRRATIONAL:
             return Verdict(False, extracted, "mismatch")
+    p_pi, t_pi = exact_special.pi_coefficient(pred), exact_special.pi_coefficient(truth)
+    if p_pi is not None and (t_pi is not None or tf is not None):  # c·π against c·π or a rational
+        same = p_pi == t_pi if t_pi is not None else p_pi == 0 and tf == 0
+        return Verdict(same, extracted, "equivalent" if same else "mismatch")
+    if t_pi is not None and pf is not None:
+        same = t_pi == 0 and pf == 0
+        return Verdict(same, extracted, "equivalent" if same else "mismatch")
     same = compare_structures(to_structure(pred), to_structure(truth))
     if same is not None:
         return Verdict(same, extracted, "equivalent" if same else "mismatch")

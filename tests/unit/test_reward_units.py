@@ -303,6 +303,15 @@ def test_exact_special_agrees_with_sympy():
         ("\\ln 8", "3"),
         ("2\\sqrt{3}", "3"),
         ("\\log_{27}{9}", "0.6"),
+        ("2\\pi", "\\pi\\cdot2"),
+        ("\\frac{3\\pi}{2}", "3\\pi/2"),
+        ("\\frac{\\pi}{4}", "0.25\\pi"),
+        ("\\frac{3}{2}\\pi", "\\frac{3\\pi}{2}"),
+        ("\\pi", "3.14"),
+        ("3.14159", "\\pi"),
+        ("4\\pi", "2\\pi"),
+        ("-\\pi", "\\pi"),
+        ("0\\pi", "0"),
     ]
     for pred, truth in pairs:
         fast = fast_grade(f"\\boxed{{{pred}}}", truth)
