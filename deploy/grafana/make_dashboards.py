@@ -97,6 +97,19 @@ DASHBOARDS = {
                 {"p50": q("reward_grade_seconds", 0.5), "p99": q("reward_grade_seconds", 0.99)},
                 "s",
             ),
+            panel(
+                5,
+                "Symbolic checks admitted / idle workers",
+                {"admitted": "sum(reward_symbolic_admitted)", "idle": "sum(reward_symbolic_idle_workers)"},
+            ),
+            panel(
+                6,
+                "Overload (503/s) and queue wait (s/s)",
+                {
+                    "503/s": "sum(rate(reward_overloaded_total[5m]))",
+                    "wait": "sum(rate(reward_symbolic_wait_seconds_total[5m]))",
+                },
+            ),
         ],
     ),
     "training": dashboard(

@@ -1,34 +1,73 @@
-"""FastAPI app of the reward service: ``/score``, ``/score/batch``, ``/healthz``, ``/metrics``."""
+"""FastAPI app of the reward service: ``/score``, ``/score/batch``, ``/healthz``, ``/metrics``.
+
+Overload is explicit: a request whose symbolic checks do not fit in ``max_queue`` gets 503
+with ``Retry-After`` and nothing of it is graded (``RewardClient`` waits and retries); an
+admitted request is always graded in full, however long it waits for a worker.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import get_args
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.reward.config import RewardConfig
-from services.reward.grader import Grader, Reason
+from services.reward.grader import Grader, Overloaded, Reason
 from services.reward.schemas import BatchRequest, BatchResponse, ScoreRequest, ScoreResult
 from services.reward.scoring import score
+from services.reward.workers import SymbolicPool
+
+
+class _PoolCollector(Collector):
+    """The symbolic pool's own counters, read at scrape time (no double bookkeeping)."""
+
+    def __init__(self, pool: SymbolicPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.pool.stats
+        counters = (
+            ("checks", "Symbolic checks that reached a worker", st.checks),
+            ("timeouts", "Symbolic checks stopped at the work limit or the wall backstop", st.timeouts),
+            ("wall_timeouts", "Of those, stopped at the wall backstop (a starved worker)", st.wall_timeouts),
+            ("work_seconds", "Wall seconds workers spent on checks", st.work_seconds),
+            ("cpu_seconds", "CPU seconds workers spent on checks (what timeout_s limits)", st.cpu_seconds),
+            ("wait_seconds", "Seconds checks waited for a free worker (never counted in the limit)",
+             st.wait_seconds),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"reward_symbolic_{name}", doc, value=value)
+        admitted = self.pool.admitted
+        yield GaugeMetricFamily("reward_symbolic_admitted", "Checks admitted and unfinished", admitted)
+        yield GaugeMetricFamily("reward_symbolic_idle_workers", "Workers free right now", self.pool.idle)
 
 
 class RewardMetrics:
-    def __init__(self) -> None:
+    def __init__(self, pool: SymbolicPool) -> None:
         self.registry = MetricsRegistry("reward")
         self.grades = self.registry.counter("grades_total", "Grades by outcome reason", ("reason",))
-        self.latency = self.registry.histogram("grade_seconds", "Latency of one grade")
-        self.timeouts = self.registry.counter("timeouts_total", "Symbolic checks killed at the limit")
+        self.latency = self.registry.histogram(
+            "grade_seconds", "Latency of one grade, from request to verdict (a batch's items: the batch's)"
+        )
+        self.timeouts = self.registry.counter(
+            "timeouts_total", "Grades ended as timeout (work limit hit, or answer too long to parse)"
+        )
+        self.overloaded = self.registry.counter(
+            "overloaded_total", "Requests refused with 503 because max_queue checks were admitted"
+        )
         for reason in get_args(Reason):  # export every outcome from the start (0, not absent)
             self.grades.labels(reason)
         self.batch_size = self.registry.histogram(
             "batch_size", "Items per batch request", buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 4096)
         )
+        self.registry.registry.register(_PoolCollector(pool))
 
 
 def _error_422(loc: list[str | int], msg: str) -> JSONResponse:
@@ -37,9 +76,15 @@ def _error_422(loc: list[str | int], msg: str) -> JSONResponse:
     return JSONResponse(status_code=422, content={"detail": detail})
 
 
+def _error_503(exc: Overloaded) -> JSONResponse:
+    return JSONResponse(
+        status_code=503, content={"detail": str(exc)}, headers={"Retry-After": str(exc.retry_after_s)}
+    )
+
+
 def create_app(cfg: RewardConfig) -> FastAPI:
-    grader = Grader(cfg.workers, cfg.timeout_s, cfg.max_answer_chars)
-    metrics = RewardMetrics()
+    grader = Grader(cfg.workers, cfg.timeout_s, cfg.max_answer_chars, cfg.max_queue)
+    metrics = RewardMetrics(grader.pool)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,24 +103,37 @@ def create_app(cfg: RewardConfig) -> FastAPI:
             "workers_alive": grader.pool.alive,
             "workers": cfg.workers,
             "timeout_s": cfg.timeout_s,
+            "admitted": grader.pool.admitted,
+            "max_queue": cfg.max_queue,
         },
     )
 
-    async def one(req: ScoreRequest) -> ScoreResult:
+    async def grade(items: list[ScoreRequest]) -> list[ScoreResult] | JSONResponse:
+        """All items graded, or a 503 (nothing graded) when the symbolic queue is full."""
         start = time.perf_counter()
-        verdict = await grader.grade(req.response, req.ground_truth)
-        value, shaping = score(verdict, req.num_tool_calls, cfg)
-        metrics.latency.observe(time.perf_counter() - start)
-        metrics.grades.labels(verdict.reason).inc()
-        if verdict.reason == "timeout":
-            metrics.timeouts.inc()
-        return ScoreResult(
-            score=value,
-            correct=verdict.correct,
-            extracted=verdict.extracted,
-            reason=verdict.reason,
-            shaping=shaping,
-        )
+        try:
+            verdicts = await grader.grade_many([(it.response, it.ground_truth) for it in items])
+        except Overloaded as exc:
+            metrics.overloaded.inc()
+            return _error_503(exc)
+        elapsed = time.perf_counter() - start
+        out = []
+        for req, verdict in zip(items, verdicts, strict=True):
+            value, shaping = score(verdict, req.num_tool_calls, cfg)
+            metrics.latency.observe(elapsed)
+            metrics.grades.labels(verdict.reason).inc()
+            if verdict.reason == "timeout":
+                metrics.timeouts.inc()
+            out.append(
+                ScoreResult(
+                    score=value,
+                    correct=verdict.correct,
+                    extracted=verdict.extracted,
+                    reason=verdict.reason,
+                    shaping=shaping,
+                )
+            )
+        return out
 
     def too_long(items: list[ScoreRequest], batched: bool) -> JSONResponse | None:
         """422 naming the first field over its size limit (checked before any grading)."""
@@ -89,7 +147,10 @@ def create_app(cfg: RewardConfig) -> FastAPI:
 
     @app.post("/score", response_model=ScoreResult)
     async def score_one(req: ScoreRequest) -> ScoreResult | JSONResponse:
-        return too_long([req], batched=False) or await one(req)
+        if (err := too_long([req], batched=False)) is not None:
+            return err
+        got = await grade([req])
+        return got if isinstance(got, JSONResponse) else got[0]
 
     @app.post("/score/batch", response_model=BatchResponse)
     async def score_batch(req: BatchRequest) -> BatchResponse | JSONResponse:
@@ -98,6 +159,7 @@ def create_app(cfg: RewardConfig) -> FastAPI:
         if (err := too_long(req.items, batched=True)) is not None:
             return err
         metrics.batch_size.observe(len(req.items))
-        return BatchResponse(results=list(await asyncio.gather(*(one(item) for item in req.items))))
+        got = await grade(req.items)
+        return got if isinstance(got, JSONResponse) else BatchResponse(results=got)
 
     return app

@@ -54,7 +54,7 @@ def grade(
     cfg = _config(config, set_)
 
     async def run() -> dict[str, object]:
-        grader = Grader(1, cfg.timeout_s, cfg.max_answer_chars)
+        grader = Grader(1, cfg.timeout_s, cfg.max_answer_chars, cfg.max_queue)
         await grader.start()
         try:
             verdict = await grader.grade(response, ground_truth)

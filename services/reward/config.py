@@ -28,9 +28,17 @@ class RewardConfig(StrictModel):
         2.0,
         gt=0,
         le=60,
-        description="hard end-to-end limit for one grade, waiting for a symbolic worker included",
+        description="work limit of one symbolic check: CPU seconds of its worker, counted from "
+        "when a worker starts on it (never the wait for a worker); a wall-clock backstop of 10x "
+        "stops a worker that cannot run at all",
     )
     workers: int = Field(default_factory=lambda: max(1, os.cpu_count() or 1), ge=1, le=256)
+    max_queue: int = Field(
+        4096,
+        ge=1,
+        description="symbolic checks admitted and unfinished; a request that would exceed it gets "
+        "503 + Retry-After and nothing of it is graded (an idle pool admits any batch)",
+    )
     max_batch: int = Field(4096, ge=1)
     max_response_chars: int = Field(1_000_000, ge=1, description="longer responses: 422 naming the field")
     max_ground_truth_chars: int = Field(

@@ -5,11 +5,16 @@ notation (``1.5e3``, ``1.5\\times10^{3}``) become a ``Fraction``; anything else 
 None and is left to the symbolic path. Most DAPO-Math-17k and all AIME ground truths are
 integers, so most grades never leave this module. Exponents are bounded: no big powers.
 
-``compare_structures`` decides lists, sets, tuples and intervals whose elements are all
-such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}`` and bare comma lists are
-unordered, ``(…)``/``[…]`` are ordered with their brackets, a structure is never a single
-number. Whatever it is unsure of (duplicates, mixed brackets, non-numeric elements) is None:
-left to the symbolic path, never guessed.
+A ratio ``a:b`` is ``a/b``; ``undefined`` spots a plain division by zero (``12:00``,
+``\\frac{1}{0}``), which is never a value.
+
+``compare_structures`` decides lists, sets, tuples, intervals and matrices whose elements are
+all such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}`` and bare comma
+lists are unordered, ``(…)``/``[…]`` are ordered with their brackets (two items in different
+brackets: different intervals, or an interval and a pair), a matrix equals only a matrix of the same
+shape (``pmatrix``, ``bmatrix``, ``matrix`` or ``array`` alike), a structure is never a single
+number. Whatever it is unsure of (duplicates, a set against a sequence, non-numeric elements)
+is None: left to the symbolic path, never guessed.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ _PLAIN = re.compile(rf"^{_NUM}$")
 _SLASH = re.compile(rf"^({_NUM})/({_NUM})$")
 _FRAC = re.compile(r"^([+-]?)\\frac(?:\{([+-]?\d+)\}|(\d))(?:\{([+-]?\d+)\}|(\d))$")
 _SCI = re.compile(rf"^({_NUM})(?:[eE]([+-]?\d+)|(?:\\times|\\cdot|\*|x)10\^\{{?([+-]?\d+)\}}?)$")
+_RATIO = re.compile(r"^([+-]?\d+):(\d+)$")
+_BY_ZERO = re.compile(r"^[+-]?(?:\d+:0+|\d+/0+|\\frac\{[+-]?\d+\}\{0+\})$")
+_MATRIX = re.compile(
+    r"^[(\[]?\\begin\{(pmatrix|bmatrix|matrix|array)\}(?:\{[lcr|]*\})?(.*)\\end\{\1\}[)\]]?$", re.S
+)
 MAX_EXPONENT = 400
 
 
@@ -48,9 +58,41 @@ def to_fraction(s: str) -> Fraction | None:
             if abs(exp) > MAX_EXPONENT:
                 return None
             return Fraction(m.group(1)) * Fraction(10) ** exp
+        m = _RATIO.match(s)
+        if m and int(m.group(2)):
+            return Fraction(int(m.group(1)), int(m.group(2)))
     except (ValueError, ZeroDivisionError):
         return None
     return None
+
+
+def undefined(s: str) -> bool:
+    """A plain division by zero: ``12:00``, ``5/0``, ``\\frac{1}{0}``."""
+    return bool(_BY_ZERO.match(s))
+
+
+@dataclass(frozen=True)
+class NumericMatrix:
+    rows: tuple[tuple[Fraction, ...], ...]
+
+
+def to_matrix(s: str) -> NumericMatrix | None:
+    """A matrix whose entries are all plain numbers (rows ``\\\\``, columns ``&``), or None."""
+    m = _MATRIX.match(s)
+    if not m:
+        return None
+    lines = m.group(2).split("\\\\")
+    if lines and not lines[-1].strip():
+        lines.pop()  # a trailing "\\\\" before \\end
+    rows = []
+    for line in lines:
+        entries = [to_fraction(e.strip()) for e in line.split("&")]
+        if any(e is None for e in entries):
+            return None
+        rows.append(tuple(entries))
+    if not rows or len({len(r) for r in rows}) != 1:
+        return None
+    return NumericMatrix(tuple(rows))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -84,8 +126,10 @@ def _numbers(parts: list[str]) -> tuple[Fraction | str, ...] | None:
     return None if any(v is None for v in values) else values  # type: ignore[return-value]
 
 
-def to_structure(s: str) -> Structure | Fraction | None:
-    """A list/set/tuple/interval of exact numbers, a parenthesised number, or None."""
+def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
+    """A list/set/tuple/interval/matrix of exact numbers, a parenthesised number, or None."""
+    if "\\begin" in s:
+        return to_matrix(s)
     if s.startswith("\\{") and s.endswith("\\}"):
         kind, brackets, inner = "set", "", s[2:-2]
     elif len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
@@ -103,15 +147,22 @@ def to_structure(s: str) -> Structure | Fraction | None:
     return Structure(kind, brackets, values)
 
 
-def compare_structures(a: Structure | Fraction | None, b: Structure | Fraction | None) -> bool | None:
+Exact = Structure | NumericMatrix | Fraction
+
+
+def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
     """Equal / different when certain, None when the symbolic path must decide."""
     if a is None or b is None:
         return None
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         return a == b
+    if isinstance(a, NumericMatrix) or isinstance(b, NumericMatrix):
+        return a == b  # a matrix is only ever a matrix of the same shape and entries
     if isinstance(a, Fraction) or isinstance(b, Fraction):
         return False  # a number is never a list, set, tuple or interval
     assert isinstance(a, Structure) and isinstance(b, Structure)
+    if a.kind == b.kind == "seq" and a.brackets != b.brackets and len(a.items) == len(b.items) == 2:
+        return False  # [1,2] vs [1,2): other openness; (1,2) vs [1,2]: other interval or a tuple
     if a.kind != b.kind or a.brackets != b.brackets:
         return None
     if a.kind == "seq":

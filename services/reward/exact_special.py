@@ -5,6 +5,10 @@ Pure integer arithmetic, no sympy: ``\\sqrt{n}`` is rational iff ``n`` is a perf
 integer ``r`` (``a = r^m``, ``b = r^n`` → ``m/n``); ``\\ln a`` is rational only for ``a = 1``.
 ``value`` returns the exact ``Fraction``, ``IRRATIONAL`` when the value is provably
 irrational (so it equals no rational answer), or None when the form is not recognised.
+
+``pi_coefficient`` reads rational multiples of π (``2\\pi``, ``\\frac{3\\pi}{2}``, ``3\\pi/2``,
+``\\frac{\\pi}{4}``, ``\\pi\\cdot 2``): π is transcendental, so ``aπ = bπ`` iff ``a = b`` and
+``aπ`` (a ≠ 0) equals no rational number (``3.14 ≠ π``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,32 @@ MAX_DIGITS = 30  # larger integers are left to the symbolic path
 _SQRT = re.compile(r"^(-?\d*)\\sqrt(?:\{(\d+)\}|(\d))$")
 _LOG = re.compile(r"^\\log_(?:\{(\d+)\}|(\d))(?:\{(\d+)\}|\((\d+)\)|(\d+))$")
 _LN = re.compile(r"^\\ln(?:\{(\d+)\}|\((\d+)\)|(\d+))$")
+
+
+_Q = r"(\d+(?:\.\d+)?|\.\d+)"  # an unsigned decimal
+_MUL = r"(?:\\cdot|\\times|\*)?"
+_PI_FORMS = (  # (regex, numerator group, denominator group); a missing group is 1
+    (re.compile(rf"^{_Q}?{_MUL}\\pi$"), 1, None),  # 2\pi, \pi
+    (re.compile(rf"^\\pi{_MUL}{_Q}$"), 1, None),  # \pi\cdot2
+    (re.compile(rf"^\\frac\{{{_Q}?{_MUL}\\pi\}}\{{{_Q}\}}$"), 1, 2),  # \frac{3\pi}{2}
+    (re.compile(rf"^\\frac\{{{_Q}\}}\{{{_Q}\}}{_MUL}\\pi$"), 1, 2),  # \frac{3}{2}\pi
+    (re.compile(rf"^{_Q}?{_MUL}\\pi/{_Q}$"), 1, 2),  # 3\pi/2
+)
+
+
+def pi_coefficient(s: str) -> Fraction | None:
+    """``c`` when ``s`` is ``c·π`` with ``c`` rational (sign in front), else None."""
+    sign = -1 if s.startswith("-") else 1
+    body = s[1:] if s[:1] in "+-" else s
+    if len(body) > 3 * MAX_DIGITS:
+        return None
+    for pattern, num, den in _PI_FORMS:
+        m = pattern.match(body)
+        if m:
+            numerator = Fraction(m.group(num)) if m.group(num) else Fraction(1)
+            denominator = Fraction(m.group(den)) if den else Fraction(1)
+            return sign * numerator / denominator if denominator else None
+    return None
 
 
 def _perfect_power(n: int) -> tuple[int, int]:

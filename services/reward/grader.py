@@ -1,30 +1,34 @@
-"""Grade a response against a ground truth: extract → normalise → exact → symbolic.
+"""Grade a response against a ground truth: extract → normalise → shape → exact → symbolic.
 
 Invariant: every grade ends in one of the ``Reason`` values; only ``exact``,
-``equivalent`` are correct. The fast path (string identity, exact rationals, text) runs
-inline and is linear in the response length; only what it cannot decide goes to the
-killable symbolic pool. An extracted answer longer than ``max_answer_chars`` (or twice the
-ground truth, whichever is more) is cut off before any parsing as incorrect with reason
-``timeout`` — the same outcome as an answer whose check runs past the limit, reached in
-microseconds instead of after tying up a worker until it is killed.
+``equivalent`` are correct. The shape step (labels, chains, relations, labelled lists) only
+picks the two values to compare, or rejects outright (``y = 3`` for ``x = 3``); whether two
+values are equal is always left to the comparisons after it. The fast path (string identity,
+exact rationals, text) runs inline and is linear in the response length; only what it cannot
+decide goes to the killable symbolic pool. An extracted answer longer than
+``max_answer_chars`` (or twice the ground truth, whichever is more) is cut off before any
+parsing as incorrect with reason ``timeout`` — the same outcome as an answer whose check runs
+past the limit, reached in microseconds instead of after tying up a worker until it is killed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
 from services.reward import exact_special
-from services.reward.exact import compare_structures, to_fraction, to_structure
+from services.reward.exact import compare_structures, to_fraction, to_structure, undefined
 from services.reward.extract import extract_answer
-from services.reward.normalize import split_normalize
+from services.reward.normalize import normalize
+from services.reward.shape import align
 from services.reward.workers import SymbolicPool
 
 Reason = Literal["exact", "equivalent", "mismatch", "no_answer", "timeout", "invalid_ground_truth"]
 MAX_ANSWER_CHARS = 1000
-_TEXTY = re.compile(r"^[a-z][a-z ]*$")
+_TEXTY = re.compile(r"^[a-z][a-z ]+$")  # words; a single letter may be a variable or i
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,20 @@ def fast_grade(
         return Verdict(False, None, "no_answer")
     if len(extracted) > max(max_answer_chars, 2 * len(ground_truth)):
         return Verdict(False, extracted, "timeout")
-    truth_var, truth = split_normalize(ground_truth)
+    truth = normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
-    pred_var, pred = split_normalize(extracted)
-    if pred_var is not None and truth_var is not None and pred_var != truth_var:
-        return Verdict(False, extracted, "mismatch")  # "y = 3" does not answer "x = 3"
+    pred = normalize(extracted)
     if pred == truth:
         return Verdict(True, extracted, "exact")
+    aligned = align(pred, truth)
+    if aligned is None:
+        return Verdict(False, extracted, "mismatch")  # e.g. "y = 3" does not answer "x = 3"
+    pred, truth = aligned
+    if pred == truth:
+        return Verdict(True, extracted, "exact")
+    if undefined(pred) or undefined(truth):
+        return Verdict(False, extracted, "mismatch")  # a division by zero is never a value
     tf, pf = to_fraction(truth), to_fraction(pred)
     if tf is not None and pf is not None:
         return Verdict(tf == pf, extracted, "exact" if tf == pf else "mismatch")
@@ -69,6 +79,13 @@ def fast_grade(
             return Verdict(other == number, extracted, "equivalent" if other == number else "mismatch")
         if other == exact_special.IRRATIONAL:
             return Verdict(False, extracted, "mismatch")
+    p_pi, t_pi = exact_special.pi_coefficient(pred), exact_special.pi_coefficient(truth)
+    if p_pi is not None and (t_pi is not None or tf is not None):  # c·π against c·π or a rational
+        same = p_pi == t_pi if t_pi is not None else p_pi == 0 and tf == 0
+        return Verdict(same, extracted, "equivalent" if same else "mismatch")
+    if t_pi is not None and pf is not None:
+        same = t_pi == 0 and pf == 0
+        return Verdict(same, extracted, "equivalent" if same else "mismatch")
     same = compare_structures(to_structure(pred), to_structure(truth))
     if same is not None:
         return Verdict(same, extracted, "equivalent" if same else "mismatch")
@@ -77,9 +94,25 @@ def fast_grade(
     return Pending(extracted, pred, truth)
 
 
+class Overloaded(Exception):
+    """More symbolic checks than ``max_queue`` are already admitted: try again later."""
+
+    def __init__(self, admitted: int, max_queue: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"{admitted} symbolic checks admitted (max_queue={max_queue}); retry after {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s
+
+
 class Grader:
-    def __init__(self, workers: int, timeout_s: float, max_answer_chars: int = MAX_ANSWER_CHARS) -> None:
-        self.pool = SymbolicPool(workers, timeout_s)
+    def __init__(
+        self,
+        workers: int,
+        timeout_s: float,
+        max_answer_chars: int = MAX_ANSWER_CHARS,
+        max_queue: int = 4096,
+    ) -> None:
+        self.pool = SymbolicPool(workers, timeout_s, max_queue)
         self.max_answer_chars = max_answer_chars
 
     async def start(self) -> None:
@@ -89,7 +122,22 @@ class Grader:
         await self.pool.stop()
 
     async def grade(self, response: str, ground_truth: str) -> Verdict:
-        first = fast_grade(response, ground_truth, self.max_answer_chars)
+        """One grade; never refused (waits for a worker as long as it takes)."""
+        return await self._finish(fast_grade(response, ground_truth, self.max_answer_chars))
+
+    async def grade_many(self, items: list[tuple[str, str]]) -> list[Verdict]:
+        """Grades of ``(response, ground_truth)`` pairs, in order, admitted all or none.
+
+        Raises ``Overloaded`` (nothing graded) when their symbolic checks do not fit in the
+        queue; the fast path decides the rest first, so only real symbolic work counts.
+        """
+        firsts = [fast_grade(r, t, self.max_answer_chars) for r, t in items]
+        pending = sum(isinstance(f, Pending) for f in firsts)
+        if pending and not self.pool.has_room(pending):
+            raise Overloaded(self.pool.admitted, self.pool.max_queue, self.pool.retry_after_s())
+        return list(await asyncio.gather(*(self._finish(f) for f in firsts)))
+
+    async def _finish(self, first: Verdict | Pending) -> Verdict:
         if isinstance(first, Verdict):
             return first
         same = await self.pool.check(first.pred, first.truth)

@@ -1,20 +1,24 @@
 """Canonical text of an answer before any comparison.
 
 Invariant: normalisation only removes presentation (spacing macros, ``\\left``/``\\right``,
-``\\dfrac``, text wrappers, units, degree marks, dollar signs, thousands separators, a
-leading ``x =`` / ``x \\in``, trailing periods, letter case of text answers) and puts braces
-on TeX shorthand (``\\sqrt3``, ``\\frac12``). It never changes a value:
-``1,5`` is not touched (it may be a list), only ``1,000``-style groups are joined.
+``\\dfrac``, text wrappers, units, degree marks, dollar and percent signs, thousands
+separators, trailing periods, letter case of text answers), spells relations one way
+(``<=``, ``\\le`` → ``\\leq``), turns the words "and"/"or" between parts into commas and puts
+braces on TeX shorthand (``\\sqrt3``, ``\\frac12``). It never changes a value and never
+guesses between a list and a number: only ``1,000``-style groups (1-3 digits, then groups of
+exactly 3, no space after a comma) are one number; ``32, 349`` stays a list of two.
+Labels (``x =``, ``f(3) =``) are kept: ``shape`` decides what they mean.
 """
 
 from __future__ import annotations
 
 import re
 
-_WRAPPERS = re.compile(
-    r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|operatorname|mbox)\s*\{([^{}]*)\}"
-)
-_SPACING = re.compile(r"\\[,!;:> ]|\\q?quad|~")
+_WRAPPER_NAMES = r"text|textbf|textit|textrm|textnormal|textsf|mathrm|mathbf|mathit|mathsf|operatorname|mbox"
+_WRAPPERS = re.compile(rf"\\(?:{_WRAPPER_NAMES})\s*\{{([^{{}}]*)\}}")
+_SPACING = re.compile(r"(?<!\\)\\[,;:> ]|\\q?quad|~")
+_NEGATIVE_SPACE = re.compile(r"\\!")
+_TEX_THOUSANDS = re.compile(r"(?<=\d),\\!\s*(?=\d{3}(?!\d))")  # "32,\! 349": MATH's thousands comma
 _DEGREES = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree")
 _UNIT_WORDS = (
     "square units",
@@ -23,12 +27,18 @@ _UNIT_WORDS = (
     "square inches",
     "square meters",
     "square centimeters",
+    "square miles",
     "sq ft",
     "cubic units",
+    "cubic feet",
+    "cubic inches",
+    "cubic meters",
+    "cubic centimeters",
     "units",
     "unit",
     "degrees",
     "degree",
+    "radians",
     "centimeters",
     "centimeter",
     "meters",
@@ -53,6 +63,7 @@ _UNIT_WORDS = (
     "second",
     "days",
     "day",
+    "years",
     "dollars",
     "dollar",
     "cents",
@@ -66,13 +77,29 @@ _UNIT_WORDS = (
     "ways",
     "students",
     "people",
+    "percentage",
+    "percent",
+    "pct",
 )
-_UNITS = re.compile(
-    r"(?<=[\d}).])\s*(?:" + "|".join(re.escape(u) for u in _UNIT_WORDS) + r")\s*(?:\^\{?\d\}?)?$", re.I
+_UNIT_ALT = "|".join(re.escape(u) for u in _UNIT_WORDS)
+_POWER = r"(?:\^\s*\{?\s*[23]\s*\}?)?"
+# "4\pi \text{ cm}^2", "125\textnormal{ miles}": a unit inside a text wrapper, after a value.
+_WRAPPED_UNIT = re.compile(
+    rf"(?<=\S)\s*\\(?:{_WRAPPER_NAMES})\s*\{{\s*(?:{_UNIT_ALT})\s*\}}{_POWER}\s*$", re.I
 )
-_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
-_LEADING_VAR = re.compile(
-    r"^\s*((?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?)\s*(?:=|\\in(?![a-zA-Z]))\s*(?=[^=])"
+# "12 cm", "28 percent", "5cm^2", "4\pi cm": a bare unit word after a number, a bracket or \pi.
+_UNITS = re.compile(rf"(?:(?<=[\d}}).])|(?<=\\pi))\s*(?:{_UNIT_ALT}){_POWER}$", re.I)
+_TEXT_CONNECTIVE = re.compile(rf"\\(?:{_WRAPPER_NAMES})\s*\{{\s*(,?\s*(?:and|or)|,)\s*\}}")
+_CONNECTIVE = re.compile(r"(?<=\S)\s*,?\s*\b(?:and|or)\b\s*(?=\S)")
+_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:(?:,|\s*\{,\}\s*)\d{3})+(?:\.\d+)?$")
+_TEX_COMMA = re.compile(r"\{\s*,\s*\}")  # "{,}" and "{, }": TeX's comma without a space after it
+# Relations, one spelling each; "\le" only as a whole macro (not "\left", "\leq").
+_RELATIONS = (
+    (re.compile(r"<=|≤|\\leqslant(?![a-zA-Z])|\\le(?![a-zA-Z])"), r"\\leq "),
+    (re.compile(r">=|≥|\\geqslant(?![a-zA-Z])|\\ge(?![a-zA-Z])"), r"\\geq "),
+    (re.compile(r"!=|≠|\\ne(?![a-zA-Z])"), r"\\neq "),
+    (re.compile(r"\\lt(?![a-zA-Z])"), "<"),
+    (re.compile(r"\\gt(?![a-zA-Z])"), ">"),
 )
 # Whitespace goes, except after a macro name followed by a letter: "\pi r" must not become "\pir".
 _WHITESPACE = re.compile(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])|\s+")
@@ -81,6 +108,7 @@ _SQRT_TOKEN = re.compile(r"\\sqrt ?([0-9a-zA-Z])")
 _LOG_BASE_TOKEN = re.compile(r"\\log_([0-9a-zA-Z])")
 _FRAC_TOKENS = re.compile(r"\\frac ?(\{[^{}]*\}|[0-9a-zA-Z]) ?(\{[^{}]*\}|[0-9a-zA-Z])")
 _EMPTY_SET = re.compile(r"\\varnothing|\\\{\\\}|\\O(?![a-zA-Z])")
+_MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
 
 def _brace(arg: str) -> str:
@@ -89,36 +117,50 @@ def _brace(arg: str) -> str:
 
 def strip_math_delimiters(s: str) -> str:
     s = s.strip()
-    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+    for left, right in _MATH_DELIMITERS:
         if s.startswith(left) and s.endswith(right) and len(s) >= len(left) + len(right):
             s = s[len(left) : len(s) - len(right)].strip()
     return s
 
 
-def split_normalize(answer: str) -> tuple[str | None, str]:
-    """(leading variable or None, canonical value): ``"y = 2x+1"`` → ``("y", "2x+1")``."""
-    s = strip_math_delimiters(answer)
+def _outer_braces(s: str) -> str:
+    """``{1,2}`` → ``1,2``: a TeX group around the whole answer is presentation."""
+    while len(s) >= 2 and s[0] == "{" and s[-1] == "}" and not s.startswith("\\{"):
+        depth = 0
+        for i, ch in enumerate(s):
+            depth += ch == "{"
+            depth -= ch == "}"
+            if depth == 0 and i < len(s) - 1:
+                return s  # "{a}{b}": the first brace closes early
+        s = s[1:-1]
+    return s
+
+
+def normalize(answer: str) -> str:
+    s = strip_math_delimiters(answer).replace("\\$", "").replace("$", " ")
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for pattern, spelling in _RELATIONS:
+        s = pattern.sub(spelling, s)
+    s = _DEGREES.sub("", s)
+    s = s.replace("\\%", " ").replace("%", " ")
+    s = s.strip().rstrip(".").strip()
+    s = _WRAPPED_UNIT.sub("", s)
+    s = _TEXT_CONNECTIVE.sub(r" \1 ", s)
     for _ in range(3):  # nested wrappers
         s = _WRAPPERS.sub(r"\1", s)
-    s = _SPACING.sub("", s)
-    s = _DEGREES.sub("", s)
-    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
-    s = s.strip().rstrip(".").strip()
+    s = _SPACING.sub(" ", _NEGATIVE_SPACE.sub("", _TEX_THOUSANDS.sub("{,}", s))).strip().rstrip(".").strip()
     s = _UNITS.sub("", s).strip()
-    var = None
-    if s.count("=") == 1 or ("=" not in s and "\\in" in s):
-        m = _LEADING_VAR.match(s)
-        if m:
-            var, s = _WHITESPACE.sub(_space, m.group(1)), s[m.end() :]
+    s = _CONNECTIVE.sub(",", s)
+    s = _TEX_COMMA.sub("{,}", s)
+    if _THOUSANDS.match(s):  # before whitespace goes: "32, 349" is a list, never 32349
+        s = re.sub(r"\s|\{,\}|,", "", s)
     s = _WHITESPACE.sub(_space, s).replace("{,}", ",")
     s = _SQRT_TOKEN.sub(r"\\sqrt{\1}", s)
     s = _LOG_BASE_TOKEN.sub(r"\\log_{\1}", s)
     s = _FRAC_TOKENS.sub(lambda m: "\\frac" + _brace(m.group(1)) + _brace(m.group(2)), s)
     s = _EMPTY_SET.sub(r"\\emptyset", s)
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
+    s = _outer_braces(s)
     if s.startswith("+") and len(s) > 1:
         s = s[1:]
     choice = re.fullmatch(r"\(([A-Ea-e])\)", s)  # multiple choice: (B) == B
@@ -126,12 +168,8 @@ def split_normalize(answer: str) -> tuple[str | None, str]:
         s = choice.group(1)
     if re.fullmatch(r"[A-Za-z ]+", s):
         s = s.lower()
-    return var, s
+    return s
 
 
 def _space(m: re.Match[str]) -> str:
     return m.group(1) + " " if m.group(1) else ""
-
-
-def normalize(answer: str) -> str:
-    return split_normalize(answer)[1]

@@ -5,7 +5,13 @@ Rules, strict on purpose (a close-looking wrong answer must be wrong):
   ``0.333 != 1/3``, ``3.14 != \\pi``); no relative tolerance, no ×100 percent tricks;
 - expressions are equal when their difference simplifies to 0 (``\\sqrt{12} == 2\\sqrt{3}``);
 - sets and bare comma lists compare as multisets, tuples and matrices element-wise,
-  intervals by endpoints and openness, equations up to moving terms or a sign;
+  intervals by endpoints and openness; set expressions (``\\{1,3\\}\\cup\\{2,4\\}``) are
+  evaluated first;
+- equations are equal up to a non-zero constant factor (``2x+4y-3=0`` is
+  ``y=-\\frac12x+\\frac34``), inequalities up to a positive one (``-x>-1`` is ``x<1``, never
+  ``x>1``); a factor with a variable in it never counts;
+- division by zero is never a value: an answer containing ``zoo``/``nan`` (``12:00``,
+  ``\\frac{1}{0}``) equals nothing (the same text is still accepted, before this module);
 - ``i`` is the imaginary unit.
 Parses and verdicts are memoised per worker (bounded LRU); both are pure functions of the
 strings. This module may hang on adversarial input; callers run it under a hard time limit.
@@ -58,7 +64,16 @@ def _parse_cached(s: str) -> sympy.Basic | None:
         return None
     if isinstance(expr, sympy.Basic) and _I in expr.free_symbols:
         expr = expr.subs(_I, sympy.I)
-    return expr
+    return None if _undefined(expr) else expr
+
+
+def _undefined(x: object) -> bool:
+    """Whether ``x`` holds a division by zero (``zoo``) or an undefined value (``nan``)."""
+    if isinstance(x, list | tuple):
+        return any(_undefined(y) for y in x)
+    if isinstance(x, sympy.MatrixBase):
+        return any(_undefined(y) for y in x)
+    return isinstance(x, sympy.Basic) and x.has(sympy.zoo, sympy.nan)
 
 
 def _exact(e: sympy.Basic) -> sympy.Basic:
@@ -92,7 +107,16 @@ def _expr_equal(a: sympy.Basic, b: sympy.Basic) -> bool:
     if a == b:
         return True
     try:
+        # Unevaluated parses keep the order they were written in: rebuild them canonically
+        # ("15+2\sqrt{33}" vs "2\sqrt{33}+15" inside a radical otherwise costs a full simplify).
+        a, b = a.doit(), b.doit()
+        if _undefined(a) or _undefined(b):
+            return False  # "\\frac{\\pi}{0}" only shows its zoo once evaluated
+        if a == b:
+            return True
         diff = a - b
+        if _undefined(diff):
+            return False
         if _certainly_different(diff):
             return False
         if sympy.expand(diff) == 0:
@@ -111,6 +135,7 @@ def equal(a: object, b: object) -> bool:  # noqa: PLR0911 - one branch per kind 
         if not (isinstance(a, list | tuple) and isinstance(b, list | tuple)) or len(a) != len(b):
             return False
         return all(equal(x, y) for x, y in zip(a, b, strict=True))
+    a, b = _explicit_matrix(a), _explicit_matrix(b)
     if isinstance(a, sympy.MatrixBase) or isinstance(b, sympy.MatrixBase):
         return (
             isinstance(a, sympy.MatrixBase)
@@ -118,6 +143,7 @@ def equal(a: object, b: object) -> bool:  # noqa: PLR0911 - one branch per kind 
             and a.shape == b.shape
             and all(equal(x, y) for x, y in zip(a, b, strict=True))
         )
+    a, b = _evaluate_sets(a), _evaluate_sets(b)
     if isinstance(a, sympy.FiniteSet) or isinstance(b, sympy.FiniteSet):
         if not (isinstance(a, sympy.FiniteSet) and isinstance(b, sympy.FiniteSet)):
             return False
@@ -139,16 +165,69 @@ def equal(a: object, b: object) -> bool:  # noqa: PLR0911 - one branch per kind 
             and isinstance(b, sympy.Union)
             and _multiset_equal(list(a.args), list(b.args))
         )
-    if isinstance(a, sympy.Equality) or isinstance(b, sympy.Equality):
-        if not (isinstance(a, sympy.Equality) and isinstance(b, sympy.Equality)):
-            return False
-        da, db = a.lhs - a.rhs, b.lhs - b.rhs
-        return _expr_equal(da, db) or _expr_equal(da, -db)
+    if isinstance(a, sympy.And) or isinstance(b, sympy.And):
+        return (
+            isinstance(a, sympy.And)
+            and isinstance(b, sympy.And)
+            and _multiset_equal(list(a.args), list(b.args))
+        )
+    if isinstance(a, sympy.Rel) or isinstance(b, sympy.Rel):
+        return isinstance(a, sympy.Rel) and isinstance(b, sympy.Rel) and _relations_equal(a, b)
     if isinstance(a, sympy.Basic) and isinstance(b, sympy.Basic):
         if isinstance(a, sympy.Set) or isinstance(b, sympy.Set):
             return a == b
         return _expr_equal(a, b)
     return False
+
+
+_SETS = (sympy.Union, sympy.Intersection, sympy.Complement)
+
+
+def _explicit_matrix(x: object) -> object:
+    """A sum or product of explicit matrices (``A + B``, ``AB``) carried out."""
+    if isinstance(x, sympy.MatrixExpr) and not isinstance(x, sympy.MatrixBase):
+        done = x.doit()
+        return done if isinstance(done, sympy.MatrixBase) else x
+    return x
+
+
+def _evaluate_sets(x: object) -> object:
+    """``\\{1,3\\}\\cup\\{2,4\\}`` → ``\\{1,2,3,4\\}``: set operations carried out (exactly)."""
+    if isinstance(x, _SETS):
+        return type(x)(*(_evaluate_sets(arg) for arg in x.args))
+    return x
+
+
+def _canonical(rel: sympy.Rel) -> tuple[str, sympy.Basic]:
+    """A relation as ``(kind, e)`` meaning ``e > 0``, ``e >= 0``, ``e = 0`` or ``e != 0``."""
+    if isinstance(rel, sympy.StrictGreaterThan | sympy.GreaterThan):
+        return (">" if isinstance(rel, sympy.StrictGreaterThan) else ">="), rel.lhs - rel.rhs
+    if isinstance(rel, sympy.StrictLessThan | sympy.LessThan):
+        return (">" if isinstance(rel, sympy.StrictLessThan) else ">="), rel.rhs - rel.lhs
+    return ("=" if isinstance(rel, sympy.Equality) else "!="), rel.lhs - rel.rhs
+
+
+def _relations_equal(a: sympy.Rel, b: sympy.Rel) -> bool:
+    """Same relation up to a constant factor: positive for inequalities, non-zero otherwise."""
+    (ka, ea), (kb, eb) = _canonical(a), _canonical(b)
+    if ka != kb:
+        return False
+    ea, eb = _exact(ea).doit(), _exact(eb).doit()
+    if _undefined(ea) or _undefined(eb):
+        return False
+    if _expr_equal(ea, eb):
+        return True
+    if ka in ("=", "!=") and _expr_equal(ea, -eb):
+        return True
+    try:
+        ratio = sympy.cancel(ea / eb)
+        if ratio.free_symbols:
+            ratio = sympy.simplify(ratio)
+    except (TypeError, ValueError, AttributeError, NotImplementedError, ZeroDivisionError):
+        return False
+    if ratio.free_symbols or _undefined(ratio) or ratio.has(sympy.oo, -sympy.oo) or ratio == 0:
+        return False
+    return bool(ratio.is_positive) if ka in (">", ">=") else bool(ratio.is_nonzero)
 
 
 def _multiset_equal(xs: list[object], ys: list[object]) -> bool:

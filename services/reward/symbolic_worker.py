@@ -11,7 +11,8 @@ import sys
 
 from services.reward.symbolic import clear_cache, symbolic_equal
 
-WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready
+WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready: a first check
+    # must not pay for imports out of its CPU-time limit
     ("\\frac{1}{2}", "0.5"),
     ("\\sqrt{12}", "2\\sqrt{3}"),
     ("x^2+2x+1", "(x+1)^2"),
@@ -28,6 +29,13 @@ WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready
     ("\\binom{5}{2}", "10"),
     ("5!", "120"),
     ("\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}", "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}"),
+    ("\\begin{pmatrix}1\\end{pmatrix}+\\begin{pmatrix}1\\end{pmatrix}", "\\begin{pmatrix}2\\end{pmatrix}"),
+    ("5\\geq x", "x\\leq5"),
+    ("-x>-1", "x<1"),
+    ("2x+4y-3=0", "y=-\\frac{1}{2}x+\\frac{3}{4}"),
+    ("\\{1,3\\}\\cup\\{2,4\\}", "\\{1,2,3,4\\}"),
+    ("[0,1]\\cup[1,2]", "[0,2]"),
+    ("12:00", "1:00"),
 ]
 
 
