@@ -38,6 +38,7 @@ from services.common.local_stack import start_tool_services  # noqa: E402
 from services.common.process import ServiceProcess, free_port  # noqa: E402
 from services.common.redis_server import PrivateRedis  # noqa: E402
 from services.demo.task import rl_rows, write_parquet  # noqa: E402
+from services.sandbox.launcher import SandboxProcess  # noqa: E402
 from tests.helpers.scripted_model import branching_model_dir  # noqa: E402
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
@@ -74,9 +75,33 @@ def open_fds(pids: list[int]) -> int:
     return n
 
 
-def shm() -> tuple[int, int]:
-    entries = [e for e in Path("/dev/shm").iterdir() if e.is_file()]
-    return len(entries), sum(e.stat().st_size for e in entries)
+def shm_entries() -> dict[str, int]:
+    out = {}
+    for e in Path("/dev/shm").iterdir():
+        with contextlib.suppress(OSError):
+            if e.is_file():
+                out[e.name] = e.stat().st_size
+    return out
+
+
+def shm_held(pids: list[int]) -> set[str]:
+    """``/dev/shm`` files our processes map or hold open (other jobs on a shared machine excluded)."""
+    held = set()
+    for p in pids:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{p}/maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].split()[0])
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/"):
+                        held.add(target.removeprefix("/dev/shm/").split()[0])
+    return held
+
+
+SHM_AT_START: dict[str, int] = {}
 
 
 async def redis_stats(url: str) -> dict[str, float]:
@@ -101,13 +126,22 @@ def _text(x: bytes | str) -> str:
 
 def sample(step: int, services: dict[str, int], redis_url: str, step_seconds: list[float]) -> dict[str, Any]:
     row: dict[str, Any] = {"step": step}
+    everyone: list[int] = []
     for name, pid in services.items():
+        if not Path(f"/proc/{pid}").exists():  # exited (the trainer, after its last step)
+            row[f"RSS {name} MB"] = row[f"fds {name}"] = None
+            continue
         pids = tree(pid)
+        everyone += pids
         row[f"RSS {name} MB"] = rss_mb(pids)
         row[f"fds {name}"] = open_fds(pids)
     row.update(asyncio.run(redis_stats(redis_url)))
-    row["/dev/shm segments"], shm_bytes = shm()
-    row["/dev/shm MB"] = round(shm_bytes / 2**20, 1)
+    entries = shm_entries()
+    held = shm_held(everyone)
+    new = set(entries) - set(SHM_AT_START)
+    row["/dev/shm segments held by the services"] = len(held)
+    row["/dev/shm MB held by the services"] = round(sum(entries.get(n, 0) for n in held) / 2**20, 1)
+    row["/dev/shm retool-* created since start"] = sum(n.startswith("retool-") for n in new)
     last = step_seconds[-10:]
     row["step s (mean of last 10)"] = round(sum(last) / len(last), 3) if last else None
     return row
@@ -178,6 +212,7 @@ def main() -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
     logs = out / "logs"
     model = branching_model_dir(out / "model", "\\boxed{", ["1", "2", "3", "4"], "}")
+    SHM_AT_START.update(shm_entries())
     token = secrets.token_hex(16)
     threads = {"OMP_NUM_THREADS": "1"}
     samples: list[dict[str, Any]] = []
@@ -208,7 +243,10 @@ def main() -> None:
             rows = [m for m in metrics_rows(out / "metrics.jsonl") if "perf/step_seconds" in m]
             step = rows[-1]["step"] if rows else 0
             done = trainer.poll() is not None
-            if (step >= next_at and not done) or done:
+            last = step >= args.steps and not (samples and samples[-1]["step"] == step)
+            if step >= next_at or last or (done and not (samples and samples[-1]["step"] == step)):
+                # the last step's sample is taken as soon as its metrics line appears, while the
+                # trainer writes its final checkpoint (it exits right after)
                 times = [m["perf/step_seconds"] for m in rows]
                 samples.append(sample(step, services, redis.url, times))
                 print(f"[{time.monotonic() - start:7.1f}s] step {step}: "
@@ -217,7 +255,7 @@ def main() -> None:
                 next_at = 10 if next_at < 10 else (next_at // args.every + 1) * args.every
             if done:
                 break
-            time.sleep(1.0)
+            time.sleep(0.3)
         log.close()
         if trainer.returncode != 0:
             sys.exit(f"trainer exited with {trainer.returncode}; see {logs / 'trainer.log'}")
@@ -240,8 +278,7 @@ def _services_started(stack: contextlib.ExitStack) -> list[tuple[str, int]]:
     for cb in stack._exit_callbacks:  # (is_sync, callback) pairs; bound __exit__ of each service
         obj = getattr(cb[1], "__self__", None)
         if isinstance(obj, ServiceProcess) and obj.proc is not None:
-            name = "sandbox" if "sandbox" in " ".join(obj.args) else obj.args[0]
-            found.append((name, obj.proc.pid))
+            found.append(("sandbox" if isinstance(obj, SandboxProcess) else obj.args[0], obj.proc.pid))
     return found
 
 
