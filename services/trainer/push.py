@@ -106,6 +106,7 @@ class WeightPusher:
         start = time.perf_counter()
         deadline = time.monotonic() + self.wait_s if self.wait_s is not None else None
         last: Exception | None = None
+        total: dict[str, float] = {}  # the metrics of every attempt of this push
         named = [(k.removeprefix("lm."), v) for k, v in weights.items()]
         for attempt in range(1, self.attempts + 1):
             metrics: dict[str, float] | None = None
@@ -119,6 +120,7 @@ class WeightPusher:
                             "weights/push_targets": float(len(targets))}
                 timeout = max(0.001, deadline - time.monotonic()) if deadline is not None else None
                 metrics, errors = await self._push_grpc(named, targets, version, timeout)
+                metrics = total = _merged(total, metrics)
                 if not errors:
                     metrics["weights/push_seconds"] = time.perf_counter() - start
                     return metrics
@@ -300,6 +302,24 @@ class WeightPusher:
     def close(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
+
+
+_SUMMED = ("weights/push_delta_targets", "weights/push_full_targets", "weights/push_fallbacks",
+           "weights/push_wire_bytes", "weights/push_encode_seconds")
+_MAXED = ("weights/push_wire_seconds", "weights/push_load_seconds")
+
+
+def _merged(total: dict[str, float], attempt: dict[str, float]) -> dict[str, float]:
+    """The metrics of a push over its attempts: counts and bytes summed, slowest replica kept, the rest
+    (targets, density, ...) from the latest attempt."""
+    out = {**total, **attempt}
+    for key in _SUMMED:
+        out[key] = total.get(key, 0.0) + attempt.get(key, 0.0)
+    for key in _MAXED:
+        out[key] = max(total.get(key, 0.0), attempt.get(key, 0.0))
+    if not attempt.get("weights/push_delta_targets") and total.get("weights/push_delta_targets"):
+        out["weights/push_density"] = total["weights/push_density"]  # the delta's, not a retry's
+    return out
 
 
 async def push_weights(
