@@ -206,7 +206,8 @@ while True:
 
 def test_a_cell_past_its_time_limit_ends_the_session_and_says_so(sandbox_url):
     s = open_session(sandbox_url)
-    r = run_code(sandbox_url, "print('started', flush=True)\nwhile True:\n    pass", session_id=s, run_timeout=1)
+    spin = "print('started', flush=True)\nwhile True:\n    pass"
+    r = run_code(sandbox_url, spin, session_id=s, run_timeout=1)
     assert r["run_result"]["status"] == "TimeLimitExceeded" and stdout_of(r) == "started\n"
     assert "time limit of 1 s" in r["message"]
     after = _cell(sandbox_url, s, "1")
@@ -245,12 +246,14 @@ def test_run_jupyter_accepts_a_sandboxfusion_client_request(sandbox_url):
     cells = body["cells"]
     assert [c["display"] for c in cells[:2]] == [[], [{"text/plain": "123"}]]
     assert cells[2]["stdout"] == "123\n" and cells[3]["stderr"] == "stderr message"
-    assert cells[4]["error"][0]["ename"] == "RuntimeError" and cells[4]["error"][0]["evalue"] == "error message"
+    error = cells[4]["error"][0]
+    assert error["ename"] == "RuntimeError" and error["evalue"] == "error message"
     # replaying cells re-runs them from scratch; a live session runs only the new one
     s = open_session(sandbox_url)
     try:
-        first = httpx.post(f"{sandbox_url}/run_jupyter", json={"cells": ["import random\nr = random.random()"],
-                                                               "session_id": s}, timeout=120).json()
+        cells = ["import random\nr = random.random()"]
+        first = httpx.post(f"{sandbox_url}/run_jupyter", json={"cells": cells, "session_id": s},
+                           timeout=120).json()
         assert first["status"] == "Success"
         again = httpx.post(f"{sandbox_url}/run_jupyter", json={"cells": ["r"], "session_id": s},
                            timeout=120).json()
