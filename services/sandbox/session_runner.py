@@ -57,6 +57,15 @@ def _oom_kills(spec: RunSpec) -> int:
     return 0
 
 
+def _error_info(error: object) -> dict[str, Any] | None:
+    """Jupyter's error fields from what the session sent (which the cell's code could forge)."""
+    if not isinstance(error, dict):
+        return None
+    tb = error.get("traceback")
+    return {"ename": str(error.get("ename", "")), "evalue": str(error.get("evalue", "")),
+            "traceback": [str(line) for line in tb] if isinstance(tb, list) else []}
+
+
 class LiveSession:
     def __init__(self, spec: RunSpec, init: int, pid: int, fds: run_process.RunFds, tmp_dir: int) -> None:
         self.loop = asyncio.get_running_loop()
@@ -199,14 +208,14 @@ class LiveSession:
             wanted = dataclasses.replace(self.spec, fetch_files=list(msg["fetch_files"]))
             files, notes = _fetch(self.tmp_dir, wanted)
         display = reply.get("display") if reply else None
-        error = reply.get("error") if reply else None
+        error = _error_info(reply.get("error")) if reply else None
         return RunOutcome(
             return_code=None if timed_out else (int(reply["rc"]) if reply else self.return_code),
             timed_out=timed_out, execution_time=timeout_s if timed_out else elapsed,
             stdout=self.out.render(), stderr=self.err.render(), stdout_truncated=self.out.dropped,
             stderr_truncated=self.err.dropped, files=files, fetch_notes=notes,
             display=display if isinstance(display, str) else None,
-            error_info=error if isinstance(error, dict) else None, session_ended=self.ended)
+            error_info=error, session_ended=self.ended)
 
 
 async def open_session(sid: str, spec: RunSpec) -> RunOutcome:

@@ -66,8 +66,8 @@ class Session:
 
 def reason_kind(reason: str) -> str:
     """A metric label for an end reason (the words come from ``session_runner`` and here)."""
-    for needle, kind in (("time limit", "cell_timeout"), ("memory", "memory"), ("idle", "expired"),
-                         ("closed", "closed"), ("lifetime", "lifetime"), ("worker", "worker_lost")):
+    for needle, kind in (("lifetime", "lifetime"), ("time limit", "cell_timeout"), ("memory", "memory"),
+                         ("idle", "expired"), ("closed", "closed"), ("worker", "worker_lost")):
         if needle in reason:
             return kind
     return "died"
