@@ -13,7 +13,8 @@ Invariants:
 - when the session process ends for any reason (cell limit, memory, ``os._exit``, a signal,
   close, lifetime) its namespace is killed, both processes are reaped, every descriptor
   (and so its tmpfs) is released, and ``ended`` says why, in words; the session never
-  outlives its ``timeout_s`` (lifetime), even if the zygote is gone (init's sleep ends);
+  outlives its ``timeout_s`` (lifetime), nor its zygote: init reads a pipe only the zygote
+  holds open, and ends (ending the namespace) when the zygote dies;
 - a cell's output is what reached the pipes from the cell's start until its result (and
   what background processes of earlier cells wrote meanwhile), capped like a run's output.
 """
@@ -67,9 +68,11 @@ def _error_info(error: object) -> dict[str, Any] | None:
 
 
 class LiveSession:
-    def __init__(self, spec: RunSpec, init: int, pid: int, fds: run_process.RunFds, tmp_dir: int) -> None:
+    def __init__(self, spec: RunSpec, init: int, pid: int, fds: run_process.RunFds, tmp_dir: int,
+                 lifeline: int) -> None:
         self.loop = asyncio.get_running_loop()
         self.spec, self.init, self.pid, self.fds, self.tmp_dir = spec, init, pid, fds, tmp_dir
+        self.lifeline = lifeline  # closing it ends init (see ``runner._start``)
         self.ended = ""
         self._kill_reason = ""
         self.return_code: int | None = None
@@ -158,6 +161,9 @@ class LiveSession:
         if self.tmp_dir >= 0:
             os.close(self.tmp_dir)  # the last hold on the session's tmpfs
             self.tmp_dir = -1
+        if self.lifeline >= 0:
+            os.close(self.lifeline)
+            self.lifeline = -1
         if not self.done.done():
             self.done.set_result(None)
 
@@ -223,13 +229,17 @@ async def open_session(sid: str, spec: RunSpec) -> RunOutcome:
         return RunOutcome(ok=False, error=f"session {sid} exists")
     cgroup = SlotCgroup(spec.cgroup_limits, spec.cgroup_procs) if spec.cgroup_procs else None
     fds = run_process.RunFds.create(session=True)
+    life_r, life_w = os.pipe()  # init lives while this write end is open: as long as the zygote
     try:
         if cgroup is not None and cgroup.limits:
             write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
-        init, pid = _start(spec, cgroup, fds)
+        init, pid = _start(spec, cgroup, fds, lifeline=life_r)
     except BaseException:
         fds.close_all()
+        os.close(life_w)
         raise
+    finally:
+        os.close(life_r)
     fds.close_run_ends()
     loop = asyncio.get_running_loop()
     ready = loop.create_future()
@@ -247,8 +257,9 @@ async def open_session(sid: str, spec: RunSpec) -> RunOutcome:
         await _reaped(pid)
         await _reaped(init)
         fds.close_all()
+        os.close(life_w)
         return RunOutcome(ok=False, error=f"sandbox setup failed: {setup_error}")
-    session = LiveSession(spec, init, pid, fds, tmp_dir)
+    session = LiveSession(spec, init, pid, fds, tmp_dir, life_w)
     await session.connect()
     SESSIONS[sid] = session
     return RunOutcome(pids=[init, pid])

@@ -6,14 +6,17 @@ run in session mode too (``test_sandbox_isolation``, parametrized by ``run``).""
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 
 import httpx
 import pytest
 
+from services.sandbox.launcher import SandboxProcess
 from tests.integration.sandbox_client import (
     close_session,
+    descendants,
     open_session,
     run_code,
     sandbox_pids,
@@ -262,3 +265,35 @@ def test_run_jupyter_accepts_a_sandboxfusion_client_request(sandbox_url):
         close_session(sandbox_url, s)
     bad = httpx.post(f"{sandbox_url}/run_jupyter", json={"cells": ["1"], "kernel": "ruby"}, timeout=30)
     assert bad.status_code == 422 and "kernel" in bad.text
+
+
+def _session_tree(url: str, session: str) -> list[int]:
+    """Host pids of a session's processes: init, its interpreter, and what the interpreter started."""
+    init, interpreter = httpx.get(f"{url}/sessions/{session}", timeout=10).json()["pids"]
+    return [init, interpreter, *descendants(interpreter)]
+
+
+def test_sessions_end_with_their_worker_and_with_the_service(tmp_path):
+    """A session never outlives its zygote (its init ends with the zygote), nor the service."""
+    args = ["--set", "max_concurrency=2", "--set", "zygotes=1", "--set", "light_zygotes=0",
+            "--set", "heavy_zygotes=0", "--set", "max_sessions=4"]
+    spawn = "import subprocess\nsubprocess.Popen(['sleep', '300'])\nsubprocess.Popen(['sleep', '301'])\n'up'"
+    with SandboxProcess(args, log_path=str(tmp_path / "sb.log")) as sb:
+        s = open_session(sb.url)
+        assert stdout_of(run_code(sb.url, spawn, session_id=s)) == "'up'\n"
+        tree = _session_tree(sb.url, s)
+        assert len(tree) == 4
+        zygote = _ppid(tree[1])
+        os.kill(zygote, signal.SIGKILL)
+        _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in tree), 30,
+                  "the session's processes to end with their zygote")
+        _wait_for(lambda: httpx.get(f"{sb.url}/healthz", timeout=10).json()["zygotes_alive"] == 1, 120,
+                  "the zygote to be restarted")
+        r = _cell(sb.url, s, "1")
+        assert r.status_code == 410 and "worker" in r.json()["detail"], r.text
+        s2 = open_session(sb.url)  # the restarted zygote holds new sessions
+        assert stdout_of(run_code(sb.url, spawn, session_id=s2)) == "'up'\n"
+        tree = _session_tree(sb.url, s2)
+        os.kill(sb.proc.pid, signal.SIGKILL)  # the service itself, without any chance to clean up
+        _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in tree), 30,
+                  "the session's processes to end with the service")
