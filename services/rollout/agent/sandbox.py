@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -91,20 +93,41 @@ class SandboxClient:
             timeout=request_timeout_s,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        self._session_replica: dict[str, str] = {}  # session id -> base URL of the replica holding it
+
+    async def _replica(self) -> str:
+        """The base URL of one sandbox replica: a session lives in one replica's memory, and a
+        name that resolves to several (``--scale sandbox=N``) would spread its calls over them."""
+        url = self._client.base_url
+        host, port = url.host, url.port or (443 if url.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            return str(url).rstrip("/")
+        v4 = [info for info in infos if info[0] == socket.AF_INET]  # one family: localhost has two
+        addresses = sorted({str(info[4][0]) for info in v4 or infos})
+        if len(addresses) <= 1:
+            return str(url).rstrip("/")
+        ip = random.choice(addresses)
+        return f"{url.scheme}://{f'[{ip}]' if ':' in ip else ip}:{port}"
 
     async def open_session(self) -> str:
-        """A live sandbox session (``POST /sessions``); raises ``SessionUnavailable`` with the reason."""
+        """A live sandbox session (``POST /sessions``) on one replica, whose calls all go there;
+        raises ``SessionUnavailable`` with the reason."""
         last = "no attempt"
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            replica = await self._replica()
             try:
-                r = await self._client.post("/sessions", json={"memory_limit_MB": self.memory_mb})
+                r = await self._client.post(f"{replica}/sessions", json={"memory_limit_MB": self.memory_mb})
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
             if r.status_code == 200:
-                return str(r.json()["session_id"])
+                session_id = str(r.json()["session_id"])
+                self._session_replica[session_id] = replica
+                return session_id
             last = f"HTTP {r.status_code}: {r.text[:200]}"
             if r.status_code not in RETRY_STATUS:
                 break
@@ -112,8 +135,9 @@ class SandboxClient:
 
     async def close_session(self, session_id: str) -> None:
         """End a session; never raises (an unreachable sandbox expires it by its TTL)."""
+        replica = self._session_replica.pop(session_id, "")
         with contextlib.suppress(httpx.HTTPError):
-            await self._client.delete(f"/sessions/{session_id}")
+            await self._client.delete(f"{replica}/sessions/{session_id}")
 
     async def run(self, code: str, session_id: str | None = None) -> ToolResult:
         """Run ``code`` alone, or as the next cell of the live session ``session_id``."""
@@ -131,7 +155,8 @@ class SandboxClient:
             if attempt:
                 await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
             try:
-                r = await self._client.post("/run_code", json=payload)
+                r = await self._client.post(f"{self._session_replica.get(session_id or '', '')}/run_code",
+                                            json=payload)
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
