@@ -5,6 +5,8 @@ tool calls); the sandbox, its sessions and their isolation are real."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import time
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.agent.sandbox import SandboxClient
 from services.rollout.config import AgentConfig
+from services.sandbox.launcher import SandboxProcess
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
 from tests.integration.sandbox_client import sandbox_pids
 
@@ -81,3 +84,37 @@ async def test_a_session_that_ended_tells_the_model_why(sandbox_url):
     assert len(blocks) == 2  # the cell that ended the session, then the next call: both say why
     assert all("session" in b and "ended: its interpreter exited with code 3" in b for b in blocks), blocks
     assert _live_sessions(sandbox_url) == 0.0
+
+
+async def test_a_sessions_calls_stay_on_the_replica_that_opened_it(sandbox_url, tmp_path, monkeypatch):
+    """Two real sandbox replicas (127.0.0.1 and 127.0.0.2, same port) behind one name, as Docker's
+    DNS serves ``--scale sandbox=2``. Only the name's resolution is stood in for (no DNS server
+    with two A records exists here); sessions spread over both replicas and each keeps its state."""
+    port = int(sandbox_url.rsplit(":", 1)[1])
+    args = ["--set", "max_concurrency=2", "--set", "zygotes=1", "--set", "light_zygotes=0",
+            "--set", "heavy_zygotes=0", "--set", "max_sessions=16"]
+    with SandboxProcess(args, host="127.0.0.2", port=port, log_path=str(tmp_path / "sb2.log")) as second:
+        loop = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def two_replicas(host, *a, **kw):
+            if host != "sandbox.replicas":
+                return await real(host, *a, **kw)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port))
+                    for ip in ("127.0.0.1", "127.0.0.2")]
+
+        monkeypatch.setattr(loop, "getaddrinfo", two_replicas)
+        opened = (_opened(sandbox_url), _opened(second.url))
+        client = SandboxClient(f"http://sandbox.replicas:{port}")
+        try:
+            sids = [await client.open_session() for _ in range(16)]
+            for step in range(4):
+                outs = [await client.run("n = 0" if step == 0 else "n += 1\nn", session_id=s) for s in sids]
+                assert all(not o.error and o.text == ("" if step == 0 else str(step)) for o in outs), outs
+            for s in sids:
+                await client.close_session(s)
+        finally:
+            await client.aclose()
+        first_n, second_n = _opened(sandbox_url) - opened[0], _opened(second.url) - opened[1]
+        assert first_n + second_n == 16 and first_n > 0 and second_n > 0
+        assert _live_sessions(sandbox_url) == 0.0 and _live_sessions(second.url) == 0.0
