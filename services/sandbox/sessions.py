@@ -112,6 +112,8 @@ class SessionRegistry:
     # -- open / close --------------------------------------------------------------------------
     async def open(self, ttl_s: float | None, memory_mb: int) -> tuple[Session, list[str]]:
         cfg, notes = self.cfg, []
+        if cfg.max_sessions == 0:
+            raise SessionLimit("sessions are off on this sandbox (max_sessions=0); use stateless /run_code")
         if not self._free:
             raise SessionLimit(f"sandbox has {len(self.live)} live sessions, the maximum (max_sessions="
                                f"{cfg.max_sessions}); close one with DELETE /sessions/{{id}} or wait "

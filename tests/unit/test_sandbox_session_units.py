@@ -9,7 +9,7 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.schemas import RunCodeRequest, RunJupyterRequest
 from services.sandbox.session_main import _compile_cell
 from services.sandbox.session_runner import _error_info
-from services.sandbox.sessions import reason_kind
+from services.sandbox.sessions import SessionLimit, SessionRegistry, SessionUnknown, reason_kind
 
 
 def _shown(source: str) -> object:
@@ -74,3 +74,11 @@ def test_error_fields_forged_by_a_cell_are_reduced_to_strings():
     assert _error_info({"ename": b"X", "evalue": 3, "traceback": [1, b"y"], "extra": object()}) == {
         "ename": "b'X'", "evalue": "3", "traceback": ["1", "b'y'"]}
     assert _error_info("nope") is None and _error_info({"traceback": "x"})["traceback"] == []
+
+
+async def test_sessions_off_is_a_clear_refusal():
+    registry = SessionRegistry(SandboxConfig(max_sessions=0), [], lambda index: None)
+    with pytest.raises(SessionLimit, match="sessions are off"):
+        await registry.open(None, -1)
+    with pytest.raises(SessionUnknown):
+        registry.get("nope")
