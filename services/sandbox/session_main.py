@@ -48,14 +48,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _compile_cell(source: str, filename: str) -> tuple[Any, Any]:
-    """(statements, last-line expression or None), compiled as a notebook cell is."""
-    tree = ast.parse(source, filename, "exec")
+def _compile_cell(source: str, filename: str, *, _compile: Any = compile, _is_instance: Any = isinstance,
+                  _flags: int = ast.PyCF_ONLY_AST, _expr: Any = ast.Expr,
+                  _expression: Any = ast.Expression) -> tuple[Any, Any]:
+    """(statements, last-line expression or None), compiled as a notebook cell is; uses only
+    what was bound at import, so a cell that replaced builtins still gets its next cells run."""
+    tree = _compile(source, filename, "exec", _flags)
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    body = compile(tree, filename, "exec")
-    return body, (compile(last, filename, "eval") if last is not None else None)
+    if tree.body and _is_instance(tree.body[-1], _expr):
+        last = _expression(tree.body.pop().value)
+    body = _compile(tree, filename, "exec")
+    return body, (_compile(last, filename, "eval") if last is not None else None)
 
 
 def serve(ctl_fd: int, workdir: str) -> int:
@@ -81,7 +84,10 @@ def serve(ctl_fd: int, workdir: str) -> int:
     def report(exc: BaseException) -> dict[str, Any]:
         tb = exc.__traceback__
         tb = tb.tb_next if tb is not None else None  # drop this loop's own frame
-        lines = fmt_exc(type_of(exc), exc, tb)
+        try:
+            lines = fmt_exc(type_of(exc), exc, tb)
+        except base_exc:  # noqa: BLE001 - the cell broke what formatting needs: say at least what
+            lines = [f"{type_of(exc).__name__}: (traceback unavailable)\n"]
         text = "".join(lines)
         try:
             stream = get_attr(sys_mod, "stderr", None) or err
@@ -91,7 +97,11 @@ def serve(ctl_fd: int, workdir: str) -> int:
                 os_write(2, text.encode(errors="backslashreplace"))
             except base_exc:  # noqa: BLE001
                 pass
-        return {"ename": type_of(exc).__name__, "evalue": to_str(exc), "traceback": lines}
+        try:
+            value = to_str(exc)
+        except base_exc:  # noqa: BLE001
+            value = ""
+        return {"ename": type_of(exc).__name__, "evalue": value, "traceback": lines}
 
     while True:
         header = recv_exact(sock, 4)

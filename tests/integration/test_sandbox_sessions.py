@@ -53,6 +53,12 @@ def test_turn_two_sees_turn_one_and_last_expression_is_displayed(sandbox_url):
         r = run_code(sandbox_url, "y = None\ny\nlen(seq), x", session_id=s)
         assert stdout_of(r) == "(3, 42)\n"
         assert stdout_of(run_code(sandbox_url, "None", session_id=s)) == ""
+        exited = run_code(sandbox_url, "import sys\nsys.exit(3)", session_id=s)  # as in a notebook: the
+        assert exited["status"] == "Failed" and exited["run_result"]["return_code"] == 3  # session lives
+        # a cell that breaks builtins and the module table breaks its own code only, not the cell loop
+        run_code(sandbox_url, "import builtins, sys\nbuiltins.isinstance = None\nbuiltins.repr = None\n"
+                 "builtins.BaseException = None\nsys.modules.clear()", session_id=s)
+        assert stdout_of(run_code(sandbox_url, "print(x)\nx - 1", session_id=s)) == "42\n41\n"
     finally:
         close_session(sandbox_url, s)
 
