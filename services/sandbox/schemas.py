@@ -118,7 +118,8 @@ class RunJupyterRequest(BaseModel):
     session instead of a fresh one, so earlier cells need not be sent again."""
 
     cells: list[str] = Field(..., min_length=1, max_length=256)
-    cell_timeout: float = Field(0, ge=0, description="seconds per cell; 0: the service default")
+    cell_timeout: float = Field(0, ge=0, description="seconds per cell; 0: only total_timeout (and the "
+                                "service's max_run_timeout_s) bound a cell")
     total_timeout: float = Field(45, gt=0, description="seconds for all cells")
     kernel: str = "python3"
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")

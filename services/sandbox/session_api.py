@@ -116,7 +116,8 @@ class SessionAPI:
         Without ``session_id`` a fresh session runs them and is closed after (SandboxFusion's
         semantics); with it, they run in that live session, which stays open."""
         cfg = self.cfg
-        cell_timeout = min(req.cell_timeout or cfg.default_run_timeout_s, cfg.max_run_timeout_s)
+        # cell_timeout 0 (SandboxFusion's default): no limit per cell but total_timeout (and ours)
+        cell_timeout = min(req.cell_timeout or cfg.max_run_timeout_s, cfg.max_run_timeout_s)
         temporary = req.session_id is None
         if temporary:
             try:

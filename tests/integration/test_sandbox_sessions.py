@@ -269,6 +269,10 @@ def test_run_jupyter_accepts_a_sandboxfusion_client_request(sandbox_url):
         assert again["status"] == "Success" and again["cells"][0]["display"][0]["text/plain"].startswith("0.")
     finally:
         close_session(sandbox_url, s)
+    slow = httpx.post(f"{sandbox_url}/run_jupyter", json={"cells": ["import time", "time.sleep(30)", "1"],
+                                                          "total_timeout": 1.5}, timeout=120).json()
+    assert slow["status"] == "Failed" and slow["driver"]["status"] == "TimeLimitExceeded", slow
+    assert len(slow["cells"]) == 2 and slow["cells"][1]["error"][0]["ename"] == "TimeoutError"
     bad = httpx.post(f"{sandbox_url}/run_jupyter", json={"cells": ["1"], "kernel": "ruby"}, timeout=30)
     assert bad.status_code == 422 and "kernel" in bad.text
 
