@@ -192,13 +192,15 @@ class WeightPusher:
             self._last = None
         enc = self.encoder
         encode_s = 0.0
-        fresh = enc.version != version  # not a retry of the same version
-        if fresh:
+        if enc.version != version:  # not a retry of the same version
             t0 = time.perf_counter()
             compare = self.delta_mode == "auto" and self._full_left == 0
-            # streamed: the encoder's threads work through the weights while the push sends them
-            self._last = enc.begin(named, version, compare=compare)
+            self._last = enc.update(named, version, compare=compare)
             self._full_left = max(0, self._full_left - 1)
+            saved_little = self._last is not None and (
+                self._last.payload_bytes > AUTO_DENSE_FRACTION * self._last.full_bytes)
+            if saved_little:
+                self._full_left = AUTO_FULL_PUSHES  # a delta that saves little: full pushes for a while
             encode_s = time.perf_counter() - t0
         delta = self._last
         full_bytes = sum(t.numel() * t.element_size() for _, t in enc.full())
@@ -209,16 +211,8 @@ class WeightPusher:
         delta_targets = [t for t in same_dtype if base and t not in current and self._acked.get(t) == base]
         full_targets = [t for t in targets if t not in current and t not in delta_targets]
         out = _Outcome(skipped=len(current), errors=dict(unanswered))
-        try:
-            if delta is not None and delta_targets:
-                full_targets += await self._deltas(delta, delta_targets, version, out, timeout_s)
-        finally:
-            if delta is not None:  # complete before the caller's next optimizer step changes the master
-                await asyncio.to_thread(delta.wait)
-        if fresh and delta is not None:
-            encode_s = delta.seconds
-            if delta.payload_bytes > AUTO_DENSE_FRACTION * delta.full_bytes:
-                self._full_left = AUTO_FULL_PUSHES  # a delta that saves little: full pushes for a while
+        if delta is not None and delta_targets:
+            full_targets += await self._deltas(delta, delta_targets, version, out, timeout_s)
         if full_targets:
             kind = PushKind(lineage=enc.lineage)
             await self._full(full_targets, version, dtype, named, out, kind, timeout_s)
@@ -250,7 +244,8 @@ class WeightPusher:
         assert self.encoder is not None
         kind = PushKind(delta=True, base_version=delta.base_version, lineage=self.encoder.lineage)
         reports = await asyncio.gather(*(
-            push_state_dict_async(delta, [t], version, self.token, self.bucket_bytes, timeout_s, kind=kind)
+            push_state_dict_async(delta.tensors, [t], version, self.token, self.bucket_bytes, timeout_s,
+                                  kind=kind)
             for t in targets), return_exceptions=True)
         stale = []
         for t, r in zip(targets, reports, strict=True):

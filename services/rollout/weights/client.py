@@ -110,20 +110,11 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
     stats = {"tensors": 0, "bytes": 0}
     start = time.perf_counter()
 
-    buckets = iter_buckets(named_tensors, version, bucket_bytes, kind)
-
-    def pack() -> bytes | None:
-        """The next serialized bucket (None at the end); runs in a worker thread, so the tensors can be
-        produced lazily (a delta still being encoded) while the loop sends the previous buckets."""
-        bucket = next(buckets, None)
-        if bucket is None:
-            return None
-        if bucket.header.last:
-            stats["tensors"], stats["bytes"] = bucket.header.total_tensors, bucket.header.total_bytes
-        return bucket.encode()
-
     async def produce() -> None:
-        while (message := await asyncio.to_thread(pack)) is not None:
+        for bucket in iter_buckets(named_tensors, version, bucket_bytes, kind):
+            if bucket.header.last:
+                stats["tensors"], stats["bytes"] = bucket.header.total_tensors, bucket.header.total_bytes
+            message = bucket.encode()
             for q in queues.values():
                 await q.put(message)
         for q in queues.values():

@@ -23,9 +23,8 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,71 +53,17 @@ def new_lineage() -> str:
     return secrets.token_hex(8)
 
 
+@dataclass
 class EncodedDelta:
-    """One version's changes against ``base_version`` (only the tensors that changed).
+    """One version's changes against ``base_version`` (only the tensors that changed)."""
 
-    It may still be in the making (``DeltaEncoder.begin``): the encoder's threads work through the
-    chunks while iterating it yields each changed tensor's ``WireTensor`` as soon as its chunks are
-    done, in the order of the weights (so a push streams tensor i while tensor i + 1 is encoded).
-    Iterating again, from any thread, replays the same tensors; ``tensors``, ``changed``,
-    ``payload_bytes``, ``density`` and ``seconds`` wait until every tensor is encoded.
-    """
-
-    def __init__(self, base_version: int, version: int, elements: int, full_bytes: int,
-                 pending: list[tuple[str, torch.Tensor, list[Future[_Chunk]]]], start: float) -> None:
-        self.base_version, self.version = base_version, version
-        self.elements = elements      # every element of every weight
-        self.full_bytes = full_bytes  # bytes of a full push in the serving dtype
-        self._pending = deque(pending)
-        self._wires: list[WireTensor] = []
-        self._changed = 0
-        self._seconds = 0.0  # from begin until the last tensor was encoded (cast + compare + encode)
-        self._start = start
-        self._lock = threading.Lock()
-        if not self._pending:
-            self._seconds = time.perf_counter() - start
-
-    def _advance(self) -> None:
-        """Finish the next tensor (the caller holds the lock)."""
-        name, shadow, futures = self._pending.popleft()
-        wire = DeltaEncoder._wire(name, shadow, [f.result() for f in futures])
-        if wire is not None:
-            self._wires.append(wire)
-            self._changed += wire.changed
-        if not self._pending:
-            self._seconds = time.perf_counter() - self._start
-
-    def __iter__(self) -> Iterator[WireTensor]:
-        i = 0
-        while True:
-            with self._lock:
-                while i >= len(self._wires) and self._pending:
-                    self._advance()
-                if i >= len(self._wires):
-                    return
-                wire = self._wires[i]
-            yield wire
-            i += 1
-
-    def wait(self) -> EncodedDelta:
-        """Encode what is left; the shadow then holds ``version`` in full."""
-        with self._lock:
-            while self._pending:
-                self._advance()
-        return self
-
-    @property
-    def tensors(self) -> list[WireTensor]:
-        return list(self.wait()._wires)
-
-    @property
-    def changed(self) -> int:
-        """Elements that changed (all elements of FULL tensors count)."""
-        return self.wait()._changed
-
-    @property
-    def seconds(self) -> float:
-        return self.wait()._seconds
+    base_version: int
+    version: int
+    tensors: list[WireTensor]
+    elements: int           # every element of every weight
+    changed: int            # elements that changed (all elements of FULL tensors count)
+    full_bytes: int         # bytes of a full push in the serving dtype
+    seconds: float          # cast + compare + encode
 
     @property
     def payload_bytes(self) -> int:
@@ -155,39 +100,24 @@ class DeltaEncoder:
     _shadow: dict[str, torch.Tensor] = field(default_factory=dict)
     _local: threading.local = field(default_factory=threading.local)
     _pool: ThreadPoolExecutor | None = None
-    _busy: EncodedDelta | None = None  # the latest delta (it may still be writing the shadow)
 
     def full(self) -> list[tuple[str, torch.Tensor]]:
         """The weights of ``version`` in the serving dtype (what a full push sends)."""
-        if self._busy is not None:
-            self._busy.wait()
         return list(self._shadow.items())
 
     def reset(self) -> None:
-        if self._busy is not None:
-            self._busy.wait()
-        self._busy = None
         self._shadow.clear()
         self.version = None
 
     def update(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
                compare: bool = True) -> EncodedDelta | None:
-        """``begin``, then wait until the whole delta is encoded."""
-        delta = self.begin(named, version, compare)
-        return delta.wait() if delta is not None else None
-
-    def begin(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
-              compare: bool = True) -> EncodedDelta | None:
         """Make the shadow hold ``named`` (cast to ``dtype``) as ``version``; the changes against the
-        previous version, still being encoded by the pool (iterate it, or ``wait()``), or None when
-        there was none (or the names/shapes differ, or not ``compare``: a full push follows). The
-        master tensors must not change until the delta is complete."""
+        previous version, or None when there was none (or the names/shapes differ, or not
+        ``compare``: a full push follows)."""
         start = time.perf_counter()
         items = [(name, t.detach().contiguous()) for name, t in named]
         same = self.version is not None and [n for n, _ in items] == list(self._shadow) and all(
             tuple(t.shape) == tuple(self._shadow[n].shape) for n, t in items)
-        if self._busy is not None:
-            self._busy.wait()  # the previous delta still writes the shadow
         if not same:
             self._shadow = {n: t.to(device="cpu", dtype=self.dtype, copy=True).contiguous() for n, t in items}
         elif not compare:
@@ -195,24 +125,29 @@ class DeltaEncoder:
                 self._shadow[n].copy_(t)
         if not same or not compare:
             self.version = version
-            self._busy = None
             return None
         assert self.version is not None
         base, self.version = self.version, version
+        tasks = [(name, master, lo, min(lo + CHUNK_ELEMENTS, master.numel()))
+                 for name, master in items for lo in range(0, master.numel(), CHUNK_ELEMENTS)]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="delta-encode",
                                             initializer=torch.set_num_threads, initargs=(1,))
-        pending, elements, full_bytes = [], 0, 0
-        for name, master in items:
+        chunks = list(self._pool.map(lambda task: self._chunk(*task), tasks))
+        by_name: dict[str, list[_Chunk]] = {}
+        for (name, *_), chunk in zip(tasks, chunks, strict=True):
+            by_name.setdefault(name, []).append(chunk)
+        tensors, elements, changed, full_bytes = [], 0, 0, 0
+        for name, _ in items:
             shadow = self._shadow[name]
             elements += shadow.numel()
             full_bytes += shadow.numel() * shadow.element_size()
-            numel = master.numel()
-            futures = [self._pool.submit(self._chunk, name, master, lo, min(lo + CHUNK_ELEMENTS, numel))
-                       for lo in range(0, numel, CHUNK_ELEMENTS)]
-            pending.append((name, shadow, futures))
-        self._busy = EncodedDelta(base, version, elements, full_bytes, pending, start)
-        return self._busy
+            wire = self._wire(name, shadow, by_name.get(name, []))
+            if wire is not None:
+                tensors.append(wire)
+                changed += wire.changed
+        seconds = time.perf_counter() - start
+        return EncodedDelta(base, version, tensors, elements, changed, full_bytes, seconds)
 
     def _scratch(self) -> _Scratch:
         s = getattr(self._local, "scratch", None)
@@ -230,18 +165,16 @@ class DeltaEncoder:
         new, old = int_view(cast), int_view(self._shadow[name])[lo:hi]
         mask = s.mask[:n]
         np.not_equal(new, old, out=mask)
-        idx = np.flatnonzero(mask)  # one pass (no count first): changes are sparse at RL learning rates
-        count = len(idx)
+        count = int(np.count_nonzero(mask))
         if count == 0:
             return _Chunk(0, False)
         if count * (INDEX_BYTES + cast.element_size()) >= SPARSE_MAX_FRACTION * n * cast.element_size():
             old[:] = new
             return _Chunk(count, True)
+        idx = np.flatnonzero(mask)
         values = new[idx]
         old[idx] = values
-        index = idx.astype(np.uint32)
-        index += lo
-        return _Chunk(count, False, index, values)
+        return _Chunk(count, False, (idx + lo).astype(np.uint32), values)
 
     @staticmethod
     def _wire(name: str, shadow: torch.Tensor, chunks: list[_Chunk]) -> WireTensor | None:
@@ -269,8 +202,6 @@ class DeltaEncoder:
         return WireTensor(name, dtype, shape, nbytes, memoryview(payload), encoding=pb.SPARSE, changed=count)
 
     def close(self) -> None:
-        if self._busy is not None:
-            self._busy.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
