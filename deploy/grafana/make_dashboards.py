@@ -284,6 +284,7 @@ DASHBOARDS = {
                 {
                     "{{kind}}": "sum by (kind) (increase(rollout_weight_pushes_applied_total[10m]))",
                     "delta refused, full sent": "max(trainer_weights_push_fallbacks)",
+                    "replicas skipped (unreachable)": "max(trainer_weights_push_unreachable)",
                 },
             ),
         ],

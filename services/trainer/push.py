@@ -111,6 +111,7 @@ class WeightPusher:
         for attempt in range(1, self.attempts + 1):
             metrics: dict[str, float] | None = None
             targets: list[str] = []
+            errors: dict[str, str] = {}  # target -> what failed in this attempt
             try:
                 targets = resolve(self.entries)
                 if self.transport == "shm":
@@ -136,10 +137,9 @@ class WeightPusher:
             if attempt < self.attempts and not out_of_time:
                 await asyncio.sleep(pause)
                 continue
-            if self.wait_s is not None and metrics is not None and self.encoder is not None:
-                reached = [t for t in targets if self._acked.get(t) == (self.encoder.lineage, version)]
-                unreachable = [t for t in targets if t not in reached]
-                if reached:
+            if self.wait_s is not None and metrics is not None:
+                unreachable = [t for t in targets if t in errors]
+                if len(unreachable) < len(targets):  # some replica took this version
                     for t in unreachable:  # a full push when it is back
                         self._acked.pop(t, None)
                     log.warning("weight push: replicas skipped (unreachable within weight_push_wait_s)",

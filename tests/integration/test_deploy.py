@@ -538,7 +538,11 @@ async def test_real_prometheus_scrapes_every_metric_the_dashboards_and_alerts_us
                     if len(up) == 4 and all(r["value"][1] == "1" for r in up):
                         got = (await client.get(f"{api}/label/__name__/values")).json()["data"]
                         names = {n.removesuffix("_bucket") for n in got}
-                        if queried <= names and "rollout_weight_pushes_total" in names:
+                        # the push counter exists from start-up (labels pre-set): wait for a served push
+                        pushed = (await client.get(
+                            f"{api}/query", params={"query": 'rollout_weight_pushes_total{outcome="ok"} > 0'},
+                        )).json()["data"]["result"]
+                        if queried <= names and pushed:
                             break
                 except (httpx.HTTPError, KeyError, ValueError):
                     pass
@@ -551,8 +555,13 @@ async def test_real_prometheus_scrapes_every_metric_the_dashboards_and_alerts_us
             assert {g["name"] for g in rules} == {"sandbox", "reward", "queues", "trainer"}
             # the trainer's pushes reached the rollout service through the dns: target
             q = "max(rollout_weight_version)"
-            version = (await client.get(f"{api}/query", params={"query": q})).json()["data"]["result"]
-            assert float(version[0]["value"][1]) >= 1
+            version: list = []
+            while time.monotonic() < deadline:  # the version gauge may be one scrape behind the counter
+                version = (await client.get(f"{api}/query", params={"query": q})).json()["data"]["result"]
+                if version and float(version[0]["value"][1]) >= 1:
+                    break
+                await asyncio.sleep(0.5)
+            assert version and float(version[0]["value"][1]) >= 1, (version, log)
             health = (await client.get(f"http://127.0.0.1:{trainer_port}/healthz")).json()
             assert health["status"] == "ok" and health["step"] >= 1
     finally:

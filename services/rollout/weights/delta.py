@@ -165,16 +165,18 @@ class DeltaEncoder:
         new, old = int_view(cast), int_view(self._shadow[name])[lo:hi]
         mask = s.mask[:n]
         np.not_equal(new, old, out=mask)
-        count = int(np.count_nonzero(mask))
+        idx = np.flatnonzero(mask)  # one pass (no count first): changes are sparse at RL learning rates
+        count = len(idx)
         if count == 0:
             return _Chunk(0, False)
         if count * (INDEX_BYTES + cast.element_size()) >= SPARSE_MAX_FRACTION * n * cast.element_size():
             old[:] = new
             return _Chunk(count, True)
-        idx = np.flatnonzero(mask)
         values = new[idx]
         old[idx] = values
-        return _Chunk(count, False, (idx + lo).astype(np.uint32), values)
+        index = idx.astype(np.uint32)
+        index += lo
+        return _Chunk(count, False, index, values)
 
     @staticmethod
     def _wire(name: str, shadow: torch.Tensor, chunks: list[_Chunk]) -> WireTensor | None:
