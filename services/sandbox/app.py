@@ -57,6 +57,8 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
                 "in_flight": executor.stats.in_flight,
                 "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
                 "cgroups": executor.cgroups.version if executor.cgroups else None,
+                "warnings": [] if executor.cgroups or not cfg.use_cgroups else [
+                    "no writable cgroup tree: run memory/process limits are per process only"],
                 "runtime": executor.runtime_info()}
 
     add_observability_routes(app, metrics.registry, health)
