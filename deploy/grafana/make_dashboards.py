@@ -168,6 +168,20 @@ DASHBOARDS = {
                 "Step / policy version",
                 {"step": "max(trainer_step)", "version": "max(trainer_policy_version)"},
             ),
+            panel(
+                13,
+                "Rollout–trainer log-prob mismatch |Δ logp|",
+                {"mean": "max(trainer_mismatch_abs_mean)", "max": "max(trainer_mismatch_abs_max)"},
+            ),
+            panel(
+                14,
+                "Rollout–trainer mismatch: KL and corrections",
+                {
+                    "k3 KL(rollout‖trainer)": "max(trainer_mismatch_k3_kl)",
+                    "tokens at the TIS cap": "max(trainer_mismatch_tis_capped_frac)",
+                    "sequences dropped by MIS": "max(trainer_mismatch_mis_masked_frac)",
+                },
+            ),
         ],
     ),
     "rollout": dashboard(

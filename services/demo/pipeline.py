@@ -46,13 +46,19 @@ class SFTPhase(StrictModel):
 
 
 class GRPOPhase(StrictModel):
+    """The trainer runs the reference recipe's defaults (``TrainerConfig``: dynamic sampling,
+    clip 0.2/0.28, token-mean, TIS / overlong as the reference sets them) except where the task
+    needs otherwise: sizes, ``lr`` (a 0.6M-parameter model learning in a few dozen steps, not a
+    7B model over hundreds) and ``max_staleness`` 0 (strictly on-policy: the rollout of a step
+    never overlaps training, so the run does not depend on timing; the reference uses 1)."""
+
     steps: int = Field(30, ge=1)
     batch_prompts: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
     lr: float = Field(5e-4, gt=0)
     temperature: float = Field(1.0, gt=0)
-    max_staleness: int = Field(0, ge=0, description="0 = strictly on-policy (reproducible)")
-    dynamic_sampling: bool = False
+    max_staleness: int = Field(0, ge=0, description="0 = strictly on-policy (independent of timing)")
+    dynamic_sampling: bool = Field(True, description="drop groups whose rewards are all equal (DAPO)")
 
 
 class DemoConfig(StrictModel):
@@ -219,8 +225,10 @@ class Demo:
                 "max_response_len": self.cfg.max_tokens,
                 "micro_batch_max_tokens": max(2048, 64 + self.cfg.max_tokens),
                 "save_freq": g.steps,
-                # enough passes over the RL prompts for every step (the trainer never runs past its data)
-                "total_epochs": -(-g.steps * g.batch_prompts // self.cfg.task.rl_prompts),
+                # enough passes over the RL prompts for every step, dropped groups included (the
+                # trainer never runs past its data; with dynamic sampling late steps drop most groups)
+                "total_epochs": -(-g.steps * g.batch_prompts * (8 if g.dynamic_sampling else 1)
+                                  // self.cfg.task.rl_prompts),
                 "keep_last_checkpoints": 1,
                 "checkpoint_dir": str(grpo_dir / "ckpt"),
                 "lr": g.lr,
@@ -248,7 +256,8 @@ class Demo:
                 for m in rows[seen:]:
                     rec = {"phase": "grpo", "step": m["step"], "accuracy": m.get("rollout/accuracy"),
                            "tool_use_rate": m.get("rollout/tool_use_rate"),
-                           "reward": m.get("critic/score/mean"), "step_seconds": m.get("perf/step_seconds")}
+                           "reward": m.get("critic/score/mean"), "step_seconds": m.get("perf/step_seconds"),
+                           "dropped_groups": m.get("rollout/dropped_filtered", 0.0)}
                     self._record(rec)
                     bar.update(1)
                     bar.set_postfix(acc=f"{rec['accuracy']:.2f}", tool=f"{rec['tool_use_rate']:.2f}")

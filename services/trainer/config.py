@@ -33,6 +33,14 @@ class TISConfig(StrictModel):
     cap: float = Field(2.0, gt=0, description="C in min(exp(old_logp - rollout_logp), C)")
 
 
+class MISConfig(StrictModel):
+    """Sequence-level masked importance sampling: drop a sequence whose rollout→trainer ratio
+    exp(Σ old_logp - rollout_logp) over its policy tokens leaves [1/cap, cap]."""
+
+    enabled: bool = False
+    cap: float = Field(2.0, gt=1, description="C: sequences with ratio outside [1/C, C] are dropped")
+
+
 class KLConfig(StrictModel):
     use_kl_loss: bool = False
     coef: float = Field(0.0, ge=0)
@@ -95,6 +103,7 @@ class TrainerConfig(StrictModel):
     dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     tis: TISConfig = Field(default_factory=TISConfig)
+    mis: MISConfig = Field(default_factory=MISConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="algorithm: ppo only")

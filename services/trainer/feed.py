@@ -10,8 +10,12 @@ Invariants:
   no acknowledged group is lost and none is applied twice. Committing after every step
   instead keeps Redis small but loses the steps since the last checkpoint on a crash;
 - a batch that no step used is ``release``d: left pending and unseen, delivered again;
-- groups dropped as stale, as duplicates (same ``job_id``, at-least-once delivery) or by a
-  filter (dynamic sampling) are acknowledged at once and counted by reason.
+- a group dropped as stale, malformed or by a filter (dynamic sampling) gives its admission slot
+  back (``StalenessManager.release``) and its ``job_id`` is remembered as seen, so a second copy
+  is a duplicate; a duplicate (same ``job_id``, at-least-once delivery) changes no state. Drops
+  are counted by reason and acknowledged with the next ``commit()`` (like used groups): a crash
+  before the checkpoint that holds the returned slots delivers them again and they are resolved
+  again, so the admission state stays exact across a resume.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class Batch:
     message_ids: list[str]
     dropped: Counter[str] = field(default_factory=Counter)
     staleness: list[int] = field(default_factory=list)
+    dropped_ids: list[str] = field(default_factory=list)  # acknowledged with the next commit()
 
 
 class GroupReader:
@@ -122,14 +127,14 @@ class GroupReader:
                 if max_wait_rounds is not None and empty_rounds >= max_wait_rounds:
                     break
                 continue
-            drop: list[str] = []
             for m in messages:
                 try:
                     group = Group.from_msgpack(m.data)
                 except ValueError as exc:
                     log.warning("dropping malformed group", extra={"entry": m.id, "error": str(exc)[:500]})
                     batch.dropped["malformed"] += 1
-                    drop.append(m.id)
+                    batch.dropped_ids.append(m.id)
+                    self.manager.release(1)  # its job can never be accepted now
                     continue
                 reason = None
                 if group.job_id in self._seen:
@@ -148,14 +153,17 @@ class GroupReader:
                         },
                     )
                     batch.dropped[reason] += 1
-                    drop.append(m.id)
+                    batch.dropped_ids.append(m.id)
+                    if reason != "duplicate":  # its job is resolved: remember it, give the slot back
+                        self._remember(group.job_id)
+                        self.manager.release(1)
                     continue
                 self._remember(group.job_id)
                 batch.groups.append(group)
                 batch.message_ids.append(m.id)
                 batch.staleness.append(self.manager.staleness(group_version(group)))
-            await self.stream.ack(*drop, delete=True)
         self._uncommitted.extend(batch.message_ids)
+        self._uncommitted.extend(batch.dropped_ids)
         return batch
 
     def release(self, batch: Batch) -> None:

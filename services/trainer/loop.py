@@ -268,11 +268,13 @@ class Trainer:
         return meta.step
 
     # ---- one step ---------------------------------------------------------------------------
-    async def _collect(self) -> tuple[list[Rollout], dict[str, float]] | None:
-        """The step's groups, or None when a stop was requested before the batch was full.
+    async def _collect(self) -> tuple[list[Rollout], dict[str, float]] | Literal["stop", "used_up"]:
+        """The step's groups; ``"stop"`` when a stop was requested before the batch was full,
+        ``"used_up"`` when every prompt was admitted and resolved and dropped groups (dynamic
+        sampling, staleness) left the batch short: the run ends there, cleanly.
 
-        On a stop the partial batch is released (left pending in Redis, not marked seen), so
-        the restarted trainer trains on it instead of dropping it as a duplicate.
+        In both cases the partial batch is released (left pending in Redis, not marked seen), so
+        a restarted trainer trains on it instead of dropping it as a duplicate.
         """
         from services.trainer.feed import Batch
 
@@ -291,7 +293,16 @@ class Trainer:
             if self.stop_requested:
                 self.reader.release(held)
                 log.info("stop requested while waiting for groups; releasing %d held", len(held.groups))
-                return None
+                return "stop"
+            if self.feeder.exhausted and self.manager.in_flight(len(held.groups)) <= 0:
+                self.reader.release(held)
+                log.warning(
+                    "the dataset is used up (%d prompt jobs over total_epochs=%d, all resolved) with %d of "
+                    "%d groups for the next batch (dropped this batch: %s); ending the run",
+                    self.feeder.cursor, self.tcfg.total_epochs, len(held.groups), self.tcfg.batch_prompts,
+                    dropped,
+                )
+                return "used_up"
             pulled = len(held.groups) + sum(dropped.values())
             if limit is not None and pulled >= limit:
                 raise RuntimeError(
@@ -299,11 +310,13 @@ class Trainer:
                     f"of {self.tcfg.batch_prompts} usable groups (dropped: {dropped})"
                 )
             if time.monotonic() > deadline:
+                in_flight = self.manager.in_flight(len(held.groups))
                 cause = (
-                    f"the dataset is used up ({self.feeder.cursor} prompt jobs over "
-                    f"total_epochs={self.tcfg.total_epochs}) and dropped groups left the batch short"
+                    f"the dataset is used up but {in_flight} admitted jobs never came back: see "
+                    f"{self.cfg.prompts_stream}:dead"
                     if self.feeder.exhausted
-                    else f"is a rollout worker consuming {self.cfg.prompts_stream}?"
+                    else f"{in_flight} jobs in flight; is a rollout worker consuming "
+                    f"{self.cfg.prompts_stream}?"
                 )
                 raise TimeoutError(
                     f"no full batch within group_wait_s={self.cfg.group_wait_s}: got {len(held.groups)} "
@@ -434,9 +447,13 @@ class Trainer:
         while step < total:
             start = time.perf_counter()
             payload = self._broadcast(await self._collect() if self.rank == 0 else None)
-            if payload is None:  # stopped while waiting for groups: checkpoint the last finished step
+            if payload == "stop":  # stopped while waiting for groups: checkpoint the last finished step
                 await self._checkpoint(step)
                 log.info("SIGTERM: checkpoint written at step %d, exiting", step)
+                break
+            if payload == "used_up":  # drops used the data up before the planned steps: end cleanly
+                await self._checkpoint(step)
+                log.warning("data used up at step %d of %d planned; checkpoint written", step, total)
                 break
             rollouts, stats = payload
             samples, batch_metrics = build_samples(

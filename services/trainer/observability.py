@@ -4,7 +4,9 @@ Invariants:
 - the fixed series that alerts and dashboards rely on exist from the moment the server starts
   (step, last-step timestamp, policy version, staleness limit, weight-push failures, dropped
   groups by reason, queue depth/lag), so a rule never silently evaluates an absent series;
-- per-step metrics (``actor/pg_loss`` ...) become gauges ``trainer_<key with / . - → _>``;
+- per-step metrics (``actor/pg_loss`` ...) become gauges ``trainer_<key with / . - → _>``; the
+  rollout–trainer mismatch gauges (``MISMATCH_KEYS``, used by an alert) exist from start-up as
+  NaN (no comparison is true: nothing fires before a step has measured it);
 - ``/healthz`` is 200 while the process serves; it reports the step and the seconds since
   the last step (a stalled trainer is an alert, not a restart: a long validation is normal).
 """
@@ -22,6 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from services.common.metrics import MetricsRegistry
 
 DROP_REASONS = ("stale", "duplicate", "filtered", "malformed")
+MISMATCH_KEYS = ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3_kl", "mismatch/tis_capped_frac",
+                 "mismatch/mis_masked_frac")
 QUEUE_KEYS = {
     "queue/prompts_depth": ("prompts", "depth"),
     "queue/groups_depth": ("groups", "depth"),
@@ -57,6 +61,8 @@ class TrainerExporter:
             self.queue.labels(stream, kind)
         self.last_step.set(time.time())  # "stalled" counts from start-up until the first step
         self._gauges: dict[str, Any] = {}
+        for key in MISMATCH_KEYS:
+            self._gauge(key).set(float("nan"))
         self._started = time.time()
         self._server: ThreadingHTTPServer | None = None
         if port is not None:
@@ -80,12 +86,15 @@ class TrainerExporter:
                 continue
             elif key == "weights/push_targets":
                 self.push_targets.set(value)
-            name = gauge_name(key)
-            if name not in self._gauges:
-                self._gauges[name] = self.registry.gauge(name, key)
-            self._gauges[name].set(value)
+            self._gauge(key).set(value)
         self.step.set(step)
         self.last_step.set(time.time())
+
+    def _gauge(self, key: str) -> Any:
+        name = gauge_name(key)
+        if name not in self._gauges:
+            self._gauges[name] = self.registry.gauge(name, key)
+        return self._gauges[name]
 
     def health(self) -> dict[str, object]:
         return {

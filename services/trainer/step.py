@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from services.trainer.algo.dapo import tis_weights
+from services.trainer.algo.mismatch import MismatchSums, mis_keeps, token_mismatch
 from services.trainer.algo.policy_loss import AggMode, ClipConfig, KLKind, agg_loss, kl_estimate, policy_loss
 from services.trainer.config import TrainerConfig
 from services.trainer.packing import (
@@ -46,6 +47,7 @@ class StepSettings:
     entropy_coeff: float = 0.0
     grad_clip: float = 1.0
     tis_cap: float | None = None
+    mis_cap: float | None = None  # sequence-level MIS: drop sequences whose ratio leaves [1/C, C]
     kl_coef: float = 0.0  # > 0: add coef × KL(π || π_ref) (estimator ``kl_kind``) to the loss
     kl_kind: KLKind = "k3"
     recompute_old_logprobs: bool = True
@@ -58,6 +60,7 @@ class StepSettings:
                    clip=ClipConfig(cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c),
                    entropy_coeff=cfg.entropy_coeff, grad_clip=cfg.grad_clip,
                    tis_cap=cfg.tis.cap if cfg.tis.enabled else None,
+                   mis_cap=cfg.mis.cap if cfg.mis.enabled else None,
                    kl_coef=cfg.kl.coef if cfg.kl.use_kl_loss else 0.0, kl_kind=cfg.kl.kind,
                    recompute_old_logprobs=cfg.recompute_old_logprobs)
 
@@ -95,7 +98,8 @@ def _minibatches(samples: Sequence[TrainSample], settings: StepSettings
     mbs = settings.mini_batch_size
     for start in range(0, len(samples), mbs):
         minibatch = samples[start:start + mbs]
-        yield start, minibatch, float(sum(float(s.loss_mask.sum()) for s in minibatch))
+        # max(.., 1): MIS may have dropped every sequence of the mini-batch (then the loss is 0)
+        yield start, minibatch, max(float(sum(float(s.loss_mask.sum()) for s in minibatch)), 1.0)
 
 
 def _local_micro_batches(minibatch: Sequence[TrainSample], settings: StepSettings, dp: DPInfo
@@ -146,6 +150,40 @@ def _grad_norm_and_clip(actor: nn.Module, max_norm: float) -> float:
     return float(full() if full is not None else norm)
 
 
+def measure_and_correct(samples: Sequence[TrainSample], settings: StepSettings, dp: DPInfo = DPInfo()
+                        ) -> tuple[list[TrainSample], dict[str, float]]:
+    """Rollout–trainer mismatch of the step (``algo/mismatch.py``) and sequence-level MIS.
+
+    Each rank measures the samples whose ``old_logprobs`` it recomputed (its shard); sums, maxima
+    and the MIS verdicts are all-reduced, so every rank zeroes the loss mask of the same dropped
+    sequences and the mini-batch normalisers stay equal on all ranks. Without recomputed
+    ``old_logprobs`` (or rollout log-probs) there is nothing to compare: no metrics, no masking.
+    """
+    sums = MismatchSums()
+    drop = torch.zeros(len(samples), dtype=torch.float64)
+    for i, s in enumerate(samples):
+        if s.old_logprobs is None or s.rollout_logprobs is None:
+            continue
+        sums = sums.merge(token_mismatch(s.old_logprobs, s.rollout_logprobs, s.loss_mask, settings.tis_cap))
+        if settings.mis_cap is not None and s.loss_mask.sum() > 0:
+            sums.seqs += 1
+            if not mis_keeps(s.old_logprobs, s.rollout_logprobs, s.loss_mask, settings.mis_cap):
+                drop[i] = 1.0
+                sums.seqs_masked += 1
+    if dp.world > 1 and torch.distributed.is_initialized():
+        total, maxes = sums.as_tensors()
+        for t, op in ((total, torch.distributed.ReduceOp.SUM), (maxes, torch.distributed.ReduceOp.MAX),
+                      (drop, torch.distributed.ReduceOp.SUM)):
+            torch.distributed.all_reduce(t, op=op)
+        sums = MismatchSums.from_tensors(total, maxes)
+    metrics = sums.metrics()
+    if settings.tis_cap is None:
+        metrics.pop("mismatch/tis_capped_frac", None)
+    out = [replace(s, loss_mask=torch.zeros_like(s.loss_mask), advantages=torch.zeros_like(s.advantages))
+           if drop[i] > 0 else s for i, s in enumerate(samples)]
+    return out, metrics
+
+
 def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[TrainSample],
                settings: StepSettings, dp: DPInfo = DPInfo()) -> dict[str, float]:
     """Run one full step over ``samples`` (len must be a multiple of mini_batch_size)."""
@@ -154,6 +192,7 @@ def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequ
                          f"{settings.mini_batch_size}")
     if settings.recompute_old_logprobs:
         samples = recompute_logprobs(actor, samples, settings, dp)
+    samples, mismatch = measure_and_correct(samples, settings, dp)
     sums: dict[str, float] = {}
     count = 0
     grad_norms: list[float] = []
@@ -198,6 +237,7 @@ def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequ
             grad_norms.append(_grad_norm_and_clip(actor, settings.grad_clip))
             optimizer.step()
     metrics = {k: v / max(count, 1) for k, v in sums.items()}
+    metrics.update(mismatch)
     metrics["actor/grad_norm"] = sum(grad_norms) / len(grad_norms)
     metrics["actor/optimizer_steps"] = float(len(grad_norms))
     return metrics

@@ -1,8 +1,9 @@
 """Rollout-vs-trainer log-prob mismatch: the log-probs an engine reported for the policy's tokens
 against a teacher-forced recomputation with the weights that version stands for.
 
-Computed in the tests for now (the trainer branch adds mismatch metrics of its own; the two should be
-unified). Only the policy's tokens count (``loss_mask`` 1); interpreter tokens are context.
+The statistics are the trainer's own (``services.trainer.algo.mismatch``, the per-step
+``mismatch/*`` metrics); this helper only supplies the recomputation from a plain HF model.
+Only the policy's tokens count (``loss_mask`` 1); interpreter tokens are context.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from typing import Any
 import torch
 
 from services.common.schemas import Group
+from services.trainer.algo.mismatch import MismatchSums, token_mismatch
 
 
 def logprob_mismatch(model: Any, groups: list[Group]) -> dict[str, float]:
-    """``{"mismatch/abs_mean", "mismatch/abs_max", "mismatch/tokens"}`` over the trajectories of
-    ``groups``."""
-    diffs: list[torch.Tensor] = []
+    """``mismatch/abs_mean``, ``abs_max``, ``k3_kl``, ``tokens`` over the trajectories of ``groups``."""
+    sums = MismatchSums()
     with torch.no_grad():
         for group in groups:
             for traj in group.trajectories:
@@ -26,10 +27,10 @@ def logprob_mismatch(model: Any, groups: list[Group]) -> dict[str, float]:
                 start = len(group.prompt_ids) - 1
                 lp = torch.log_softmax(logits[start:start + len(traj.response_ids)], dim=-1)
                 recomputed = lp[torch.arange(len(traj.response_ids)), torch.tensor(traj.response_ids)]
-                mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
-                diffs.append((recomputed - torch.tensor(traj.logprobs, dtype=torch.float32))[mask].abs())
-    every = torch.cat(diffs) if diffs else torch.zeros(0)
-    if every.numel() == 0:
+                sums = sums.merge(token_mismatch(recomputed, torch.tensor(traj.logprobs, dtype=torch.float32),
+                                                 torch.tensor(traj.loss_mask, dtype=torch.float32)))
+    metrics = sums.metrics()
+    if not metrics:
         raise ValueError("no policy tokens to compare")
-    return {"mismatch/abs_mean": float(every.mean()), "mismatch/abs_max": float(every.max()),
-            "mismatch/tokens": float(every.numel())}
+    metrics.pop("mismatch/tis_capped_frac", None)  # no TIS cap here
+    return metrics

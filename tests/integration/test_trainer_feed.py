@@ -93,7 +93,7 @@ async def test_stale_duplicate_and_filtered_groups_are_dropped_and_counted(redis
         _group("d", 4, [-1, 1]),
     ):
         await stream.add(g.to_msgpack())
-    manager = StalenessManager(batch_prompts=2, max_staleness=1, version=5)
+    manager = StalenessManager(batch_prompts=2, max_staleness=1, version=5, admitted=15)
     reader = GroupReader(stream, "t0", manager)
     batch = await reader.next_batch(
         2, keep=lambda g: len(set(g.rewards)) > 1, block_ms=100, max_wait_rounds=2
@@ -101,8 +101,13 @@ async def test_stale_duplicate_and_filtered_groups_are_dropped_and_counted(redis
     assert [g.job_id for g in batch.groups] == ["a", "d"]
     assert batch.dropped == {"stale": 1, "duplicate": 1, "filtered": 1}
     assert batch.staleness == [0, 1]
-    assert await stream.pending() == 2  # dropped ones acknowledged at once, used ones held
-    assert await reader.commit() == 2 and await stream.pending() == 0
+    # the stale and the filtered group gave their slots back; the duplicate changed nothing
+    assert manager.admitted == 13 and manager.in_flight(held=2) == 1
+    assert reader.state_dict()["seen"] == ["a", "b", "c", "d"]  # a second copy of b/c is a duplicate
+    # every entry, dropped ones included, is acknowledged with the commit (the checkpoint that
+    # holds the returned slots), so a crash before it resolves the drops again instead of losing them
+    assert await stream.pending() == 5
+    assert await reader.commit() == 5 and await stream.pending() == 0
     await client.aclose()
 
 

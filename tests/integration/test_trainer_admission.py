@@ -1,0 +1,202 @@
+"""Admission under dynamic sampling, through the trainer's own ``_collect`` and a real Redis.
+
+A scripted rollout worker (a task on the same event loop) consumes the prompts stream and writes
+one group per job; whether a group is informative is a fixed function of the job, so a group
+delivered again after a crash gets the same verdict. What is checked:
+- the exact stall of issue 15 (``deploy/trainer/tiny-cpu.yaml``'s sizes, groups dropped by
+  dynamic sampling) no longer happens: the run makes every step its kept groups allow;
+- random drop patterns, late (stale) groups and crashes between checkpoints never deadlock,
+  never train on a job twice, and resolve every job exactly once; the admission state after a
+  resume is exact (no slot re-admitted, none lost);
+- a run whose data is used up by drops ends cleanly (``"used_up"``), not with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.queue import RedisStream, connect
+from services.common.schemas import Group, PromptJob, Trajectory
+from services.trainer.config import TrainerConfig
+from services.trainer.feed import GroupReader, PromptFeeder
+from services.trainer.loop import RunConfig, Trainer
+from services.trainer.staleness import StalenessManager
+
+pytestmark = pytest.mark.integration
+
+TINY_CPU = Path(__file__).resolve().parents[2] / "deploy" / "trainer" / "tiny-cpu.yaml"
+
+
+def _group(job: PromptJob, informative: bool, version: int) -> Group:
+    rewards = [1.0] + [-1.0 if informative else 1.0] * (job.n - 1)
+    return Group(
+        job_id=job.job_id,
+        prompt_ids=[1, 2, 3],
+        trajectories=[
+            Trajectory(index=i, response_ids=[5, 6], loss_mask=[1, 1], logprobs=[-0.5, -0.5],
+                       versions=[version, version], finish_reason="eos", reward=r)
+            for i, r in enumerate(rewards)
+        ],
+        min_version=version,
+        max_version=version,
+        job_policy_version=job.policy_version,
+    )
+
+
+class ScriptedRollout:
+    """Reads prompt jobs, writes groups; ``informative(job_id)`` decides the rewards, and a job
+    may be held back ``late_s`` seconds (its group then carries the admission version: stale
+    once the trainer moved on)."""
+
+    def __init__(self, url: str, informative, rng: random.Random, p_late: float = 0.0) -> None:
+        self.client = connect(url)
+        self.prompts = RedisStream(self.client, "prompts", "rollout")
+        self.groups = RedisStream(self.client, "groups")
+        self.informative = informative
+        self.rng = rng
+        self.p_late = p_late
+        self.task: asyncio.Task | None = None
+
+    async def _publish(self, job: PromptJob, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.groups.add(_group(job, self.informative(job.job_id), job.policy_version).to_msgpack())
+
+    async def _run(self) -> None:
+        late: set[asyncio.Task] = set()
+        while True:
+            for m in await self.prompts.read("w0", count=16, block_ms=50):
+                job = PromptJob.from_msgpack(m.data)
+                delay = self.rng.uniform(0.05, 0.3) if self.rng.random() < self.p_late else 0.0
+                if delay:
+                    t = asyncio.create_task(self._publish(job, delay))
+                    late.add(t)
+                    t.add_done_callback(late.discard)
+                else:
+                    await self._publish(job, 0.0)
+                await self.prompts.ack(m.id, delete=True)
+
+    async def __aenter__(self) -> ScriptedRollout:
+        await self.prompts.ensure_group()
+        self.task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        await self.client.aclose()
+
+
+async def _trainer(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], state: dict | None) -> Trainer:
+    """A Trainer with its streams wired as ``_setup_streams`` does, restored from ``state``."""
+    trainer = Trainer(RunConfig(dataset="unused.parquet", trainer=tcfg, group_wait_s=30.0,
+                                prompts_stream="prompts", groups_stream="groups"))
+    trainer.redis = connect(url)
+    groups = RedisStream(trainer.redis, "groups", "trainer")
+    await groups.ensure_group()
+    trainer.manager = StalenessManager(tcfg.batch_prompts, tcfg.max_staleness)
+    trainer.feeder = PromptFeeder(RedisStream(trainer.redis, "prompts"), jobs, trainer.manager)
+    trainer.reader = GroupReader(groups, "trainer-0", trainer.manager)
+    if state is not None:
+        trainer.feeder.load_state_dict(state["feeder"])
+        trainer.reader.load_state_dict(state["reader"])
+    return trainer
+
+
+async def _run(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], *, save_every: int,
+               crash_after: set[int], max_steps: int) -> tuple[int, list[str], StalenessManager]:
+    """Steps until the data is used up (or ``max_steps``); a crash (no checkpoint, no commit)
+    after each step in ``crash_after``. Returns steps made, the job ids trained on, the manager."""
+    trainer = await _trainer(url, tcfg, jobs, None)
+    state = {"feeder": trainer.feeder.state_dict(), "reader": trainer.reader.state_dict(),
+             "step": 0, "trained": []}
+    step, trained = 0, []
+    while step < max_steps:
+        outstanding = trainer.manager.admitted - trainer.manager.trained
+        assert outstanding <= (tcfg.max_staleness + 1) * tcfg.batch_prompts
+        payload = await trainer._collect()
+        if payload == "used_up":
+            break
+        assert payload != "stop"
+        rollouts, stats = payload
+        assert len(rollouts) == tcfg.batch_prompts * tcfg.group_size
+        trained += trainer._last_job_ids
+        step += 1
+        trainer.manager.advance(step)
+        if step in crash_after:  # die: the steps since the last checkpoint are lost
+            crash_after.discard(step)
+            await trainer.redis.aclose()
+            trainer = await _trainer(url, tcfg, jobs, state)
+            step, trained = state["step"], list(state["trained"])
+            continue
+        if step % save_every == 0:
+            state = {"feeder": trainer.feeder.state_dict(), "reader": trainer.reader.state_dict(),
+                     "step": step, "trained": list(trained)}
+            await trainer.reader.commit()
+    manager = trainer.manager
+    await trainer.redis.aclose()
+    return step, trained, manager
+
+
+def _jobs(n: int, group_size: int) -> list[PromptJob]:
+    return [PromptJob(job_id=f"p{i}", prompt_ids=[1, i + 2], n=group_size) for i in range(n)]
+
+
+async def test_the_tiny_cpu_config_no_longer_stalls_when_dynamic_sampling_drops_groups(redis_server):
+    """Issue 15: tiny-cpu.yaml stalled at step 8 ("got 0 of 4 groups") once dropped groups had
+    used up the admission budget. Same sizes here, one group in three all-equal."""
+    raw = yaml.safe_load(TINY_CPU.read_text())["trainer"]
+    tcfg = TrainerConfig(**{k: raw[k] for k in ("batch_prompts", "group_size", "mini_batch_size",
+                                                "max_staleness", "max_prompt_len", "max_response_len",
+                                                "micro_batch_max_tokens")})
+    assert tcfg.dynamic_sampling.enabled and (tcfg.batch_prompts, tcfg.max_staleness) == (4, 1)
+    jobs = _jobs(120, tcfg.group_size)
+
+    def informative(job_id: str) -> bool:
+        return int(job_id.split(":")[1]) % 3 != 0
+
+    async with ScriptedRollout(redis_server.url, informative, random.Random(0)):
+        steps, trained, manager = await _run(redis_server.url, tcfg, jobs, save_every=10,
+                                             crash_after=set(), max_steps=10_000)
+    assert steps == 80 // tcfg.batch_prompts == 20  # 80 informative groups, 4 a step
+    assert len(set(trained)) == len(trained) == 80
+    assert manager.in_flight(held=0) == 0 and manager.admitted == manager.trained
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis_server, seed):
+    rng = random.Random(seed)
+    batch_prompts = rng.randint(1, 4)
+    tcfg = TrainerConfig(batch_prompts=batch_prompts, group_size=2, mini_batch_size=2,
+                         max_staleness=rng.randint(0, 2), max_prompt_len=8, max_response_len=8,
+                         micro_batch_max_tokens=32)
+    jobs = _jobs(rng.randint(10, 40), tcfg.group_size)
+    p_drop = rng.choice([0.2, 0.5, 0.8])
+    verdict = {f"{j.job_id}:{i}": rng.random() >= p_drop for i, j in enumerate(jobs)}
+    crashes = {rng.randint(1, 6) for _ in range(2)}
+    async with ScriptedRollout(redis_server.url, verdict.__getitem__, rng, p_late=0.2):
+        steps, trained, manager = await _run(redis_server.url, tcfg, jobs, save_every=2,
+                                             crash_after=crashes, max_steps=10_000)
+    assert len(trained) == len(set(trained)) == steps * batch_prompts  # nothing trained twice
+    assert set(trained) <= {k for k, ok in verdict.items() if ok}
+    # the run ended because the data was used up: every admitted job resolved; the only slots
+    # still held are those of the kept groups too few for one more batch (released for a restart)
+    assert 0 <= manager.admitted - manager.trained < batch_prompts
+    assert steps <= sum(verdict.values()) // batch_prompts
+
+
+async def test_a_run_whose_data_drops_use_up_ends_cleanly(redis_server):
+    tcfg = TrainerConfig(batch_prompts=4, group_size=2, mini_batch_size=8, max_staleness=1,
+                         max_prompt_len=8, max_response_len=8, micro_batch_max_tokens=32)
+    async with ScriptedRollout(redis_server.url, lambda job_id: False, random.Random(0)):
+        trainer = await _trainer(redis_server.url, tcfg, _jobs(10, 2), None)
+        assert await asyncio.wait_for(trainer._collect(), timeout=20) == "used_up"
+        assert trainer.feeder.exhausted and trainer.manager.admitted == 0
+        await trainer.redis.aclose()
