@@ -77,6 +77,16 @@ def _hierarchy_options(kind: str) -> str | None:
 _MOUNT_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
 
 
+def _overmount(target: str, fstype: str, options: str | None) -> None:
+    """Mount a cgroup filesystem at ``target``, over the read-only one already there.
+
+    The kernel refuses to mount a filesystem straight onto a mount of the same superblock and
+    root (EBUSY), which the engine's read-only mount is; an empty tmpfs in between separates them.
+    """
+    linux.mount("tmpfs", target, "tmpfs", _MOUNT_FLAGS, "size=4k,mode=755")
+    linux.mount("cgroup", target, fstype, _MOUNT_FLAGS, options)
+
+
 def mount_private_hierarchy() -> str | None:
     """Mount a writable cgroup hierarchy over the read-only one of our own cgroup namespace.
 
@@ -89,7 +99,7 @@ def mount_private_hierarchy() -> str | None:
         return "no private cgroup namespace (Docker: cgroup: private / --cgroupns=private)"
     try:
         if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
-            linux.mount("cgroup2", CGROUP_ROOT, "cgroup2", _MOUNT_FLAGS)
+            _overmount(CGROUP_ROOT, "cgroup2", None)
             _delegate_v2_root()
         else:
             for kind in ("memory", "pids"):
@@ -97,7 +107,7 @@ def mount_private_hierarchy() -> str | None:
                 target = os.path.join(CGROUP_ROOT, kind)
                 if options is None or not os.path.isdir(target):
                     return f"no cgroup v1 {kind} hierarchy at {target}"
-                linux.mount("cgroup", target, "cgroup", _MOUNT_FLAGS, options)
+                _overmount(target, "cgroup", options)
     except OSError as exc:
         return f"mounting a writable cgroup hierarchy failed ({exc}; needs CAP_SYS_ADMIN and mount(2) " \
                "allowed by seccomp/AppArmor)"

@@ -33,6 +33,8 @@ import json
 import os
 import secrets
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -41,8 +43,7 @@ import pytest
 import yaml
 
 from services.common.files import make_world_readable
-from services.demo.task import rl_rows, write_parquet
-from services.rollout.model_init import init_model_dir
+from services.demo.task import question, rl_rows, sft_messages, write_parquet
 from tests.deploy.engine import REPO, Compose, Phases, image_exists, require_engine, run, wait_for
 
 pytestmark = pytest.mark.integration
@@ -58,17 +59,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SFT_STEPS = 20
+
+
 def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
-    """Model, data and the trainer's run config, written as a strict-umask root shell would."""
-    old = os.umask(0o077)
-    try:
-        model = init_model_dir(tmp / "model", "small", seed=0)
-        problems = [(a, b) for a in range(11, 19) for b in range(21, 29)]
-        data = tmp / "data"
-        write_parquet(data / "rl.parquet", rl_rows(problems, "train"))
-    finally:
-        os.umask(old)
-    make_world_readable(data)  # what `retool data` / the demo leave to the user: a data dir they chose
+    """Model, data and the trainer's run config.
+
+    The model: ``retool model init-tiny --size small``, then a short SFT (``retool sft run``) on
+    four tool-use traces so that it answers with a ``<code>`` call (multi-turn rollouts). Both
+    run under umask 077, as in a hardened root shell: the container user must still read them.
+    """
+    problems = [(a, b) for a in range(11, 19) for b in range(21, 29)]
+    data = tmp / "data"
+    write_parquet(data / "rl.parquet", rl_rows(problems, "train"))
+    make_world_readable(data)
+    traces = tmp / "sft.jsonl"
+    traces.write_text("".join(json.dumps({"messages": sft_messages(a, b, True)}) + "\n"
+                              for a, b in [(12, 34), (13, 21), (15, 27), (17, 22)]))
+    sft = {"model_path": str(tmp / "init"), "data": {"train_files": [str(traces)], "max_length": 256},
+           "epochs": 1000, "max_steps": SFT_STEPS, "batch_size": 4, "micro_batch_size": 4,
+           "optim": {"lr": 3e-3, "warmup_ratio": 0.0}, "progress": False,
+           "fsdp": {"param_dtype": "fp32", "gradient_checkpointing": False},
+           "checkpoint": {"dir": str(tmp / "sft-ckpt"), "save_freq": 10**6, "resume": "never"},
+           "output_dir": str(tmp / "model"), "metrics_path": str(tmp / "sft-metrics.jsonl")}
+    (tmp / "sft.yaml").write_text(yaml.safe_dump(sft))
+    cli = [sys.executable, "-m", "services.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    for args in (["model", "init-tiny", "--size", "small", "--out", str(tmp / "init")],
+                 ["sft", "run", "--config", str(tmp / "sft.yaml")]):
+        proc = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=900, umask=0o077,
+                              env=env, cwd=REPO)
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
     cfg = yaml.safe_load((REPO / "deploy" / "trainer" / "tiny-cpu.yaml").read_text())
     cfg["sampling"]["max_tokens"] = 48
     cfg["max_steps"] = 1000
@@ -77,7 +98,7 @@ def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
     run_cfg = tmp / "smoke-cpu.yaml"
     run_cfg.write_text(yaml.safe_dump(cfg))
     run_cfg.chmod(0o644)
-    return model, data, run_cfg
+    return tmp / "model", data, run_cfg
 
 
 def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path, with_grafana: bool) -> Compose:
@@ -273,16 +294,21 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
         phases.done("hostile code (memory bomb, fork bomb, no network, sandbox->redis)")
 
         # 5. a rollout over HTTP through the agent loop (trainer container -> rollout:8000)
-        body = {"messages": [{"role": "user", "content": "What is 12*34? Use <code> to compute it."}],
-                "ground_truth": "408", "n": 2, "max_turns": 3, "sampling": {"max_tokens": 48, "seed": 1}}
+        body = {"messages": [{"role": "user", "content": question(14, 25)}],
+                "ground_truth": "350", "n": 4, "max_turns": 3, "sampling": {"max_tokens": 64, "seed": 1}}
         script = _post_script("http://rollout:8000/v1/rollouts", body, 300)
         out = c.json_from("trainer-cpu", script, timeout=360)
         trajectories = out["trajectories"]  # type: ignore[index]
-        assert len(trajectories) == 2
+        assert len(trajectories) == 4
         for t in trajectories:
             assert len(t["response_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 0, t
             assert t["reward"] is not None and t["finish_reason"], t
-        phases.done("rollout over HTTP")
+        # multi-turn: a tool call ran in the deployed sandbox and its output came back as a turn
+        tool_turns = [t for t in trajectories
+                      if t["tool_calls"] >= 1 and "<interpreter>" in t["response_text"]]
+        assert tool_turns, [t["response_text"] for t in trajectories]
+        assert any(0 in t["loss_mask"] for t in tool_turns)  # the interpreter's text is not trained on
+        phases.done(f"rollout over HTTP ({len(tool_turns)}/4 multi-turn with tool calls)")
 
         # 6. >= 3 steps, each pushed to both replicas
         def pushed() -> tuple[int, list[int]] | None:
