@@ -195,8 +195,7 @@ for name, target in (("redis", ("redis", 6379)), ("sandbox", ("sandbox", 8080)),
         out[name] = "connected"
     except OSError as exc:
         out[name] = type(exc).__name__
-import os
-print(sorted(os.listdir("/sys/class/net")), out)
+print(sorted(name for _, name in socket.if_nameindex()), out)  # interfaces of the run's netns
 """
 
 # Run by the sandbox *service* container itself (root, not a run): can it reach Redis?
@@ -254,6 +253,7 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
     phases.done("build image")
 
     model, data, run_cfg = _prepare(tmp)
+    phases.done(f"model (init-tiny small + {SFT_STEPS}-step SFT) and data")
     with_grafana = image_exists(GRAFANA_IMAGE)
     c = _compose(tmp, model, data, run_cfg, with_grafana)
     services = SERVICES + (["grafana"] if with_grafana else [])
