@@ -93,8 +93,9 @@ def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
     cfg = yaml.safe_load((REPO / "deploy" / "trainer" / "tiny-cpu.yaml").read_text())
     cfg["sampling"]["max_tokens"] = 48
     cfg["max_steps"] = 1000
+    # every group trains (dynamic sampling would drop the SFT model's all-correct groups: no steps)
     cfg["trainer"].update(batch_prompts=2, group_size=2, mini_batch_size=4, max_response_len=48,
-                          save_freq=2, total_epochs=100)
+                          save_freq=2, total_epochs=100, dynamic_sampling={"enabled": False})
     run_cfg = tmp / "smoke-cpu.yaml"
     run_cfg.write_text(yaml.safe_dump(cfg))
     run_cfg.chmod(0o644)
