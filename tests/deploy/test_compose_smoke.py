@@ -102,7 +102,7 @@ def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
     return tmp / "model", data, run_cfg
 
 
-def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path, with_grafana: bool) -> Compose:
+def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path) -> Compose:
     env = tmp / "smoke.env"
     env.write_text("\n".join([
         f"RETOOL_IMAGE={IMAGE}", f"MODEL_DIR={model}", f"DATA_DIR={data}",
@@ -116,9 +116,7 @@ def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path, with_grafana: bo
         "rollout-cpu": {"environment": {"OMP_NUM_THREADS": "1"}},
     }}))
     files = [REPO / "deploy" / "docker-compose.yml", override]
-    c = Compose(f"retool-smoke-{os.getpid()}", env, files)
-    c.with_grafana = with_grafana  # type: ignore[attr-defined]
-    return c
+    return Compose(f"retool-smoke-{os.getpid()}", env, files)
 
 
 SERVICES = ["redis", "sandbox", "reward", "prometheus", "rollout-cpu", "trainer-cpu"]
@@ -268,7 +266,7 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
     model, data, run_cfg = _prepare(tmp)
     phases.done(f"model (init-tiny small + {SFT_STEPS}-step SFT) and data")
     with_grafana = image_exists(GRAFANA_IMAGE)
-    c = _compose(tmp, model, data, run_cfg, with_grafana)
+    c = _compose(tmp, model, data, run_cfg)
     services = SERVICES + (["grafana"] if with_grafana else [])
     try:
         # 2. bring-up (compose waits for each depends_on to be healthy before starting the next)
