@@ -34,6 +34,10 @@ class AgentConfig(StrictModel):
         description="text appended after a tool call; {output} is replaced. Default per format: "
         f"code {CODE_RESULT_TEMPLATE!r}, hermes {HERMES_RESULT_TEMPLATE!r}",
     )
+    tool_session: Literal["stateless", "persistent"] = Field("stateless", description=(
+        "stateless: each tool call runs alone (the ReTool recipe); persistent: one live sandbox "
+        "session per trajectory (opened at its first tool call, closed when it ends), so later "
+        "calls see earlier calls' variables"))
     sandbox_run_timeout_s: float = Field(10.0, gt=0, description="run_timeout sent to /run_code")
     sandbox_memory_mb: int = Field(1024, ge=16)
     sandbox_request_timeout_s: float = Field(60.0, gt=0, description="HTTP timeout of one /run_code call")

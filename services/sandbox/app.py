@@ -1,4 +1,4 @@
-"""FastAPI app of the sandbox service: ``POST /run_code``, ``/healthz``, ``/metrics``."""
+"""FastAPI app of the sandbox service: ``POST /run_code``, sessions (``session_api``), health, metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import Executor, QueueFull, QueueTimeout
 from services.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus
+from services.sandbox.session_api import SessionAPI
+from services.sandbox.sessions import SessionRegistry
 
 
 class SandboxMetrics:
@@ -35,15 +37,19 @@ class SandboxMetrics:
 def create_app(cfg: SandboxConfig) -> FastAPI:
     executor = Executor(cfg)
     metrics = SandboxMetrics()
+    registry = SessionRegistry(cfg, executor.session_zygotes(), executor.session_cgroup)
+    sessions = SessionAPI(cfg, registry, metrics.registry)
     metrics.in_flight.set_function(lambda: executor.stats.in_flight)
     metrics.queue_depth.set_function(lambda: executor.stats.queued)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await executor.start()
+        await registry.start()
         try:
             yield
         finally:
+            await registry.stop()
             await executor.stop()
 
     app = FastAPI(title="retool sandbox", version="0.1.0", lifespan=lifespan)
@@ -59,12 +65,15 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
                 "cgroups": executor.cgroups.version if executor.cgroups else None,
                 "warnings": [] if executor.cgroups or not cfg.use_cgroups else [
                     "no writable cgroup tree: run memory/process limits are per process only"],
+                "sessions": len(registry.live), "max_sessions": cfg.max_sessions,
                 "runtime": executor.runtime_info()}
 
     add_observability_routes(app, metrics.registry, health)
 
     @app.post("/run_code", response_model=RunCodeResponse)
     async def run_code(req: RunCodeRequest, response: Response) -> RunCodeResponse | JSONResponse:
+        if req.session_id is not None:
+            return await sessions.run_code(req)
         start = time.perf_counter()
         try:
             resp = await executor.run(req)
@@ -82,4 +91,5 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
             response.headers["X-Sandbox-Notes"] = resp.message.encode("ascii", "backslashreplace").decode()
         return resp
 
+    sessions.mount(app)
     return app

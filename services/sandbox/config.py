@@ -61,6 +61,12 @@ class SandboxConfig(StrictModel):
     use_cgroups: bool = Field(True, description="per-run cgroup for total memory/pids when available")
     cgroup_slack_mb: int = Field(256, ge=0, description="cgroup memory beyond memory limit + tmpfs, for "
                                  "pages a run copies from its zygote")
+    max_sessions: int = Field(16, ge=0, le=4096, description=(
+        "live interpreter sessions at once (POST /sessions); beyond -> 429; 0 = sessions off"))
+    session_idle_ttl_s: float = Field(300.0, gt=0, description="a session idle this long is closed")
+    max_session_idle_ttl_s: float = Field(3600.0, gt=0, description="longer requested TTLs are clamped")
+    session_max_lifetime_s: float = Field(7200.0, gt=0, description="a session ends this long after it "
+                                          "opened, however busy")
     require_isolation: bool = Field(
         True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")
 
@@ -72,6 +78,12 @@ class SandboxConfig(StrictModel):
         if self.default_run_timeout_s > self.max_run_timeout_s:
             raise ValueError(f"default_run_timeout_s ({self.default_run_timeout_s}) exceeds "
                              f"max_run_timeout_s ({self.max_run_timeout_s})")
+        if self.session_idle_ttl_s > self.max_session_idle_ttl_s:
+            raise ValueError(f"session_idle_ttl_s ({self.session_idle_ttl_s}) exceeds "
+                             f"max_session_idle_ttl_s ({self.max_session_idle_ttl_s})")
+        if self.uid_base + self.max_concurrency + self.max_sessions > 65534:
+            raise ValueError(f"uid_base + max_concurrency + max_sessions must stay below 65534 (runs use "
+                             f"uids from uid_base={self.uid_base}, then one per slot and per session)")
         return self
 
     @property

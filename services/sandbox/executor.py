@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from services.common.logging import get_logger
 from services.sandbox import linux
 from services.sandbox.capture import decode_output
-from services.sandbox.cgroups import CgroupPlan
+from services.sandbox.cgroups import CgroupPlan, SlotCgroup
 from services.sandbox.config import SandboxConfig
 from services.sandbox.limits import RunLimits, queue_wait_s, resolve_limits
 from services.sandbox.protocol import RunOutcome, RunSpec
@@ -132,6 +132,14 @@ class Executor:
                     z.restarts += 1
                     with contextlib.suppress(Exception):
                         await z.start()
+
+    def session_zygotes(self) -> list[Zygote]:
+        """The zygotes that hold sessions: the default pool's (its warm modules, forked once per session)."""
+        return self.pools[self._default_pool].zygotes
+
+    def session_cgroup(self, index: int) -> SlotCgroup | None:
+        """The cgroup of slot ``index`` (a session's slot lies after the run slots), or None."""
+        return self.cgroups.slot(index) if self.cgroups else None
 
     @property
     def healthy_zygotes(self) -> int:

@@ -8,8 +8,8 @@ from services.common.process import ServiceProcess
 
 
 class SandboxProcess(ServiceProcess):
-    def __init__(self, extra_args: Sequence[str] = (), *, port: int | None = None,
+    def __init__(self, extra_args: Sequence[str] = (), *, port: int | None = None, host: str = "127.0.0.1",
                  env: Mapping[str, str] | None = None, log_path: str | None = None,
                  wrapper: Sequence[str] = ()) -> None:
-        super().__init__(["sandbox", "serve", *extra_args], port=port, env=env, log_path=log_path,
+        super().__init__(["sandbox", "serve", *extra_args], port=port, host=host, env=env, log_path=log_path,
                          wrapper=wrapper)

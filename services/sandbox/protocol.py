@@ -37,6 +37,7 @@ class RunSpec:
     cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind; empty: unchanged
     cgroup_procs: list[str] = field(default_factory=list)  # join these; empty: no cgroups
     cgroup_memory_bytes: int = 0
+    session: bool = False  # a live interpreter that runs cells (``session_main``), not one program
 
 
 @dataclass
@@ -52,6 +53,13 @@ class RunOutcome:
     stderr_truncated: int = 0
     files: dict[str, bytes] = field(default_factory=dict)
     fetch_notes: dict[str, str] = field(default_factory=dict)  # requested path -> why it is absent
+    # sessions only: the repr of a last-line expression, the error of the cell (Jupyter's
+    # ename/evalue/traceback), why the session ended (empty while it lives), its process ids
+    display: str | None = None
+    error_info: dict[str, Any] | None = None
+    session_ended: str = ""
+    ran: bool = True  # False: the session had ended before this cell, which did not run
+    pids: list[int] = field(default_factory=list)
 
 
 def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:

@@ -11,8 +11,8 @@ any process. Invariants:
   still owns it, then handed to the run's uid, so no ``CAP_DAC_OVERRIDE`` is needed;
 - a descriptor of its ``/tmp`` goes to the zygote before the drop, so the requested files
   can be fetched after every process of the run is gone;
-- nothing of the sandbox stays open (only fds 0-2), and setup failures reach the zygote
-  through the status pipe, never the code's stderr;
+- nothing of the sandbox stays open (only fds 0-2, and a session's own cell socket), and
+  setup failures reach the zygote through the status pipe, never the code's stderr;
 - the process ends through ``_exit`` bound before the code runs (or SIGKILL to itself),
   so it can never fall back into the zygote's own code.
 """
@@ -27,7 +27,7 @@ import signal
 import socket
 from dataclasses import dataclass, fields
 
-from services.sandbox import linux, user_main
+from services.sandbox import linux, session_main, user_main
 from services.sandbox.cgroups import SlotCgroup, join
 from services.sandbox.protocol import RunSpec
 
@@ -52,15 +52,21 @@ class RunFds:
     st_w: int
     tmp_rx: int  # socket pair: the run sends a descriptor of its /tmp
     tmp_tx: int
+    ctl_z: int = -1  # sessions only: socket pair carrying cells in and results out
+    ctl_run: int = -1
 
     @classmethod
-    def create(cls) -> RunFds:
+    def create(cls, session: bool = False) -> RunFds:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
         st_r, st_w = os.pipe()
         rx, tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        return cls(out_r, out_w, err_r, err_w, in_r, in_w, st_r, st_w, rx.detach(), tx.detach())
+        fds = cls(out_r, out_w, err_r, err_w, in_r, in_w, st_r, st_w, rx.detach(), tx.detach())
+        if session:
+            z, r = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fds.ctl_z, fds.ctl_run = z.detach(), r.detach()
+        return fds
 
     def _close(self, *names: str) -> None:
         for name in names:
@@ -70,7 +76,7 @@ class RunFds:
                 setattr(self, name, -1)
 
     def close_run_ends(self) -> None:
-        self._close("out_w", "err_w", "in_r", "st_w", "tmp_tx")
+        self._close("out_w", "err_w", "in_r", "st_w", "tmp_tx", "ctl_run")
 
     def close_all(self) -> None:
         self._close(*(f.name for f in fields(self)))
@@ -164,6 +170,14 @@ def _apply_limits(spec: RunSpec) -> None:
         resource.setrlimit(res, (value, value))
 
 
+def _close_all_but(keep: set[int], max_fd: int) -> None:
+    low = 3
+    for fd in sorted(keep):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, max_fd)
+
+
 def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds) -> None:
     """Entry point of the run's process (forked by the zygote); never returns."""
     exit_now, kill, getpid, sigkill = os._exit, os.kill, os.getpid, signal.SIGKILL
@@ -178,9 +192,8 @@ def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds
         os.dup2(fds.in_r, 0)
         os.dup2(fds.out_w, 1)
         os.dup2(fds.err_w, 2)
-        max_fd = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        os.closerange(3, st_w)
-        os.closerange(st_w + 1, max_fd)
+        ctl = fds.ctl_run
+        _close_all_but({st_w, ctl} - {-1}, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         _apply_limits(spec)
         os.setgroups([])
         os.setresgid(spec.uid, spec.uid, spec.uid)
@@ -194,7 +207,10 @@ def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds
             os.write(st_w, f"{type(exc).__name__}: {exc}".encode())
         exit_now(1)
     try:
-        code = user_main.run_user_code(spec.code, WORKDIR, CODE_FILENAME)
+        if spec.session:
+            code = session_main.serve(ctl, WORKDIR)
+        else:
+            code = user_main.run_user_code(spec.code, WORKDIR, CODE_FILENAME)
     finally:
         exit_now(code)
         kill(getpid(), sigkill)  # unreachable unless _exit itself was subverted

@@ -44,6 +44,7 @@ from services.sandbox.protocol import RunOutcome, RunSpec
 
 SLOT_NETNS: dict[int, int] = {}  # slot -> fd of its empty network namespace (see create_slot_netns)
 SLEEP = next((p for p in ("/usr/bin/sleep", "/bin/sleep") if os.access(p, os.X_OK)), "")
+HEAD = next((p for p in ("/usr/bin/head", "/bin/head") if os.access(p, os.X_OK)), "")
 _KILL_DRAIN_S = 2.0
 _INIT_GRACE_S = 30  # init outlives the wall limit by this much even if its zygote vanished
 _OWN_PIDNS: list[int] = []  # fd of the zygote's own pid namespace, to return to after each fork
@@ -70,16 +71,24 @@ def remember_own_pid_namespace() -> None:
     _OWN_PIDNS.append(os.open("/proc/self/ns/pid", os.O_RDONLY))
 
 
-def _start(spec: RunSpec, cgroup: SlotCgroup | None, fds: run_process.RunFds) -> tuple[int, int]:
+def _start(spec: RunSpec, cgroup: SlotCgroup | None, fds: run_process.RunFds,
+           lifeline: int = -1) -> tuple[int, int]:
     """Create the run's pid namespace, its init and the run process; returns (init, run pid).
 
     Synchronous on purpose: between ``unshare`` and the return to the zygote's own pid
     namespace nothing else may run (no other fork may land in this run's namespace).
+    With ``lifeline`` (the read end of a pipe only the zygote writes to), init is a ``head``
+    reading it, which ends, and with it the namespace, when the zygote dies: for sessions,
+    whose lifetime is too long to leave to init's sleep.
     """
     linux.unshare(linux.CLONE_NEWPID)
     try:
         # pid 1 of the new namespace: spawned (no copy of this heap), so the run can be pid 2
-        init = os.posix_spawn(SLEEP, ["sleep", str(math.ceil(spec.timeout_s) + _INIT_GRACE_S)], {})
+        if lifeline >= 0 and HEAD:
+            init = os.posix_spawn(HEAD, ["head", "-c", "1"], {},
+                                  file_actions=[(os.POSIX_SPAWN_DUP2, lifeline, 0)])
+        else:
+            init = os.posix_spawn(SLEEP, ["sleep", str(math.ceil(spec.timeout_s) + _INIT_GRACE_S)], {})
         try:
             pid = os.fork()
         except OSError:

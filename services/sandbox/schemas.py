@@ -1,4 +1,4 @@
-"""SandboxFusion-compatible request/response models for ``POST /run_code``.
+"""SandboxFusion-compatible request/response models (``/run_code``, ``/run_jupyter``, ``/sessions``).
 
 Field names, defaults and status values follow SandboxFusion so that its clients (verl's
 sandbox tool) work unchanged. What cannot mean anything is refused here, with a 422 that
@@ -13,6 +13,7 @@ import base64
 import binascii
 import posixpath
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -40,6 +41,17 @@ def check_relative_path(path: str) -> str:
     return norm
 
 
+def check_files(value: dict[str, str | None]) -> dict[str, str | None]:
+    for path, content in value.items():
+        check_relative_path(path)
+        if content is not None:
+            try:
+                base64.b64decode(content, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError(f"files[{path!r}] is not valid base64") from None
+    return value
+
+
 class RunCodeRequest(BaseModel):
     code: str = Field(..., max_length=MAX_CODE_BYTES)
     language: str = "python"
@@ -49,6 +61,8 @@ class RunCodeRequest(BaseModel):
     stdin: str | None = None
     files: dict[str, str | None] = Field(default_factory=dict, description="path -> base64 content")
     fetch_files: list[str] = Field(default_factory=list, max_length=1024)
+    session_id: str | None = Field(None, max_length=64, description=(
+        "run in this live session (POST /sessions): globals persist between calls"))
 
     @field_validator("language")
     @classmethod
@@ -61,14 +75,7 @@ class RunCodeRequest(BaseModel):
     @field_validator("files")
     @classmethod
     def _files_valid(cls, value: dict[str, str | None]) -> dict[str, str | None]:
-        for path, content in value.items():
-            check_relative_path(path)
-            if content is not None:
-                try:
-                    base64.b64decode(content, validate=True)
-                except (binascii.Error, ValueError):
-                    raise ValueError(f"files[{path!r}] is not valid base64") from None
-        return value
+        return check_files(value)
 
     def decoded_files(self) -> dict[str, bytes]:
         return {check_relative_path(p): base64.b64decode(c) if c else b"" for p, c in self.files.items()}
@@ -89,3 +96,71 @@ class RunCodeResponse(BaseModel):
     run_result: CommandRunResult | None = None
     executor_pod_name: str | None = None
     files: dict[str, str] = Field(default_factory=dict)
+
+
+class SessionRequest(BaseModel):
+    """``POST /sessions``: open a live interpreter (its limits hold for every cell)."""
+
+    ttl_s: float | None = Field(None, gt=0, description="idle seconds before it is closed; default from "
+                                "service config, longer ones are clamped")
+    memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
+
+
+class SessionResponse(BaseModel):
+    session_id: str
+    ttl_s: float
+    memory_limit_MB: int
+    message: str = ""
+
+
+class RunJupyterRequest(BaseModel):
+    """SandboxFusion's ``/run_jupyter`` request; ``session_id`` (ours) runs the cells in a live
+    session instead of a fresh one, so earlier cells need not be sent again."""
+
+    cells: list[str] = Field(..., min_length=1, max_length=256)
+    cell_timeout: float = Field(0, ge=0, description="seconds per cell; 0: only total_timeout (and the "
+                                "service's max_run_timeout_s) bound a cell")
+    total_timeout: float = Field(45, gt=0, description="seconds for all cells")
+    kernel: str = "python3"
+    memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
+    files: dict[str, str | None] = Field(default_factory=dict, description="path -> base64 content")
+    fetch_files: list[str] = Field(default_factory=list, max_length=1024)
+    session_id: str | None = Field(None, max_length=64)
+
+    @field_validator("kernel")
+    @classmethod
+    def _python_kernel(cls, value: str) -> str:
+        if value not in ("python3", "python"):
+            raise ValueError(f"kernel {value!r} is not supported; use 'python3'")
+        return "python3"
+
+    @field_validator("files")
+    @classmethod
+    def _files_valid(cls, value: dict[str, str | None]) -> dict[str, str | None]:
+        return check_files(value)
+
+    def decoded_files(self) -> dict[str, bytes]:
+        return {check_relative_path(p): base64.b64decode(c) if c else b"" for p, c in self.files.items()}
+
+    @field_validator("cells")
+    @classmethod
+    def _cells_small(cls, value: list[str]) -> list[str]:
+        if sum(len(c) for c in value) > MAX_CODE_BYTES:
+            raise ValueError(f"cells hold more than {MAX_CODE_BYTES} characters together")
+        return value
+
+
+class CellRunResult(BaseModel):
+    stdout: str
+    stderr: str
+    display: list[dict[str, Any]] = Field(default_factory=list)
+    error: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class RunJupyterResponse(BaseModel):
+    status: RunStatus
+    message: str = ""
+    driver: CommandRunResult | None = None
+    cells: list[CellRunResult] = Field(default_factory=list)
+    files: dict[str, str] = Field(default_factory=dict)
+    executor_pod_name: str | None = None

@@ -1,5 +1,5 @@
 """A warm fork server: preloads the usual modules once, then forks one process per run and
-supervises all its runs from one event loop (``runner``).
+supervises all its runs from one event loop (``runner``), and holds live sessions (``session_runner``).
 
 Runs on the runs' own interpreter (``runtime_python``), started by the service with a
 scrubbed environment (so no secret is in its memory or in ``/proc/<pid>/environ`` of
@@ -26,7 +26,7 @@ import socket
 import struct
 import sys
 
-from services.sandbox import linux, runner
+from services.sandbox import linux, runner, session_runner
 from services.sandbox.protocol import MAX_FRAME, RunOutcome, RunSpec, pack, unpack_body
 from services.sandbox.run_process import keep_tmp_runtime
 from services.sandbox.runner import create_slot_netns, remember_own_pid_namespace
@@ -108,8 +108,7 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         (length,) = struct.unpack(">I", await reader.readexactly(4))
         if length > MAX_FRAME:
             raise ValueError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-        spec = RunSpec(**unpack_body(await reader.readexactly(length)))
-        outcome = await runner.execute(spec)
+        outcome = await _dispatch(unpack_body(await reader.readexactly(length)))
     except Exception as exc:  # noqa: BLE001
         outcome = RunOutcome(ok=False, error=f"{type(exc).__name__}: {exc}")
     try:
@@ -119,6 +118,21 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         pass  # the service gave up on this run
     finally:
         writer.close()
+
+
+async def _dispatch(msg: dict[str, object]) -> RunOutcome:
+    """A run (a ``RunSpec`` map), or a session operation (``op``: open, cell, close)."""
+    op = msg.pop("op", None)
+    if op is None:
+        return await runner.execute(RunSpec(**msg))  # type: ignore[arg-type]
+    sid = str(msg["id"])
+    if op == "session_open":
+        return await session_runner.open_session(sid, RunSpec(**msg["spec"]))  # type: ignore[arg-type]
+    if op == "session_cell":
+        return await session_runner.run_cell(sid, msg)
+    if op == "session_close":
+        return await session_runner.close_session(sid)
+    raise ValueError(f"unknown operation {op!r}")
 
 
 def _ensure_stack_room(stack_mb: int) -> None:

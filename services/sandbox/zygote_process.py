@@ -12,6 +12,8 @@ import contextlib
 import json
 import os
 import struct
+from dataclasses import asdict
+from typing import Any
 
 from services.sandbox.protocol import RunOutcome, RunSpec, pack, unpack_body
 from services.sandbox.user_main import RUN_ENV
@@ -67,11 +69,15 @@ class Zygote:
             await self.proc.wait()
 
     async def run(self, spec: RunSpec) -> RunOutcome:
+        return await self.call(asdict(spec), spec.timeout_s)
+
+    async def call(self, msg: dict[str, Any], timeout_s: float) -> RunOutcome:
+        """Send one request (a run, or a session operation: see ``zygote._dispatch``); its outcome."""
         reader, writer = await asyncio.open_unix_connection(self.sock_path)
         try:
-            writer.write(pack(spec))
+            writer.write(pack(msg))
             await writer.drain()
-            async with asyncio.timeout(spec.timeout_s + _REPLY_GRACE_S):
+            async with asyncio.timeout(timeout_s + _REPLY_GRACE_S):
                 (length,) = struct.unpack(">I", await reader.readexactly(4))
                 body = await reader.readexactly(length)
             return RunOutcome(**unpack_body(body))

@@ -94,6 +94,11 @@ class RunConfig(StrictModel):
     weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the weights are pushed in; auto: each replica's serving dtype"
     )
+    weight_push_wait_s: float | None = Field(
+        120.0, gt=0, description="a weight push waits at most this long for a replica (retries included); "
+        "replicas still unreachable then are skipped (they get a full push later) unless none took the "
+        "push, which fails the step. None: any replica that fails every attempt fails the step"
+    )
     max_steps: int | None = Field(
         None, ge=1, description="stop after this many steps (never past the data: see planned_steps)"
     )
@@ -392,6 +397,7 @@ class Trainer:
             self._pusher = WeightPusher(
                 self.cfg.rollout_targets, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
                 transport=self.cfg.weight_transport, delta=self.cfg.weight_delta, dtype=self.cfg.weight_dtype,
+                wait_s=self.cfg.weight_push_wait_s,
             )
         # dns: targets resolve to every replica on each push; failed attempts are retried and counted
         return await self._pusher.push(weights, version)
@@ -501,6 +507,8 @@ class Trainer:
                 log.info("SIGTERM: checkpoint written at step %d, exiting", step)
                 break
         bar.close()
+        if (pusher := getattr(self, "_pusher", None)) is not None:
+            pusher.close()  # the delta encoder's threads
         if self.rank == 0:
             sink.close()
             await self.redis.aclose()

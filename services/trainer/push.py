@@ -16,9 +16,13 @@ Invariants:
   free shared-memory segment and commits over gRPC (services/rollout/weights/shm.py);
 - a replica applies a push only once all of it arrived (atomic per replica), so a failed
   attempt is retried whole, up to ``attempts`` times: replicas that acknowledged this version
-  already are skipped; every failed attempt is counted (``trainer_weight_push_failures_total``)
-  before the last failure is raised (the step fails, the trainer exits and resumes from its last
-  checkpoint);
+  already are skipped; every failed attempt is counted (``trainer_weight_push_failures_total``);
+- ``wait_s=None``: the last failure is raised (the step fails, the trainer exits and resumes from
+  its last checkpoint). ``wait_s`` set: every RPC of a push has the time left of ``wait_s`` as
+  its deadline and retries stop when it is spent; the replicas still failing then are *skipped*
+  (``weights/push_unreachable``, a warning) as long as at least one replica took the version, and
+  they get a full push at a later push (their acknowledgement is forgotten). If no replica took
+  it, the failure is raised;
 - per push it reports bytes on the wire, the full-push bytes, density, encode / wire / load
   seconds and how many replicas got a delta or a full push (``weights/push_*`` metrics).
 """
@@ -81,10 +85,14 @@ class WeightPusher:
 
     def __init__(self, entries: list[str], token: str, *, bucket_bytes: int,
                  transport: Literal["grpc", "shm"] = "grpc", delta: DeltaMode = "auto", dtype: str = "auto",
-                 attempts: int = 3, backoff_s: float = 2.0, encode_threads: int = 2) -> None:
+                 attempts: int = 3, backoff_s: float = 2.0, encode_threads: int = 2,
+                 wait_s: float | None = None) -> None:
+        if wait_s is not None and wait_s <= 0:
+            raise ValueError(f"wait_s: must be > 0 (or None), got {wait_s}")
         self.entries, self.token, self.bucket_bytes = entries, token, bucket_bytes
         self.transport, self.delta_mode, self.dtype = transport, delta, dtype
         self.attempts, self.backoff_s, self.encode_threads = attempts, backoff_s, encode_threads
+        self.wait_s = wait_s
         self.encoder: DeltaEncoder | None = None  # the shadow, in the serving dtype
         self._acked: dict[str, tuple[str, int]] = {}  # target -> (lineage, version) it acknowledged
         self._dtypes: dict[str, str] = {}  # target -> serving dtype it reported
@@ -95,9 +103,14 @@ class WeightPusher:
         """Push ``weights`` (trainer names; an ``lm.`` prefix is dropped) to every resolved replica."""
         from services.rollout.weights.client import WeightPushError
 
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.wait_s if self.wait_s is not None else None
         last: Exception | None = None
+        total: dict[str, float] = {}  # the metrics of every attempt of this push
         named = [(k.removeprefix("lm."), v) for k, v in weights.items()]
         for attempt in range(1, self.attempts + 1):
+            metrics: dict[str, float] | None = None
+            targets: list[str] = []
             try:
                 targets = resolve(self.entries)
                 if self.transport == "shm":
@@ -105,28 +118,53 @@ class WeightPusher:
                     self._acked.clear()  # a commit clears the replicas' lineage
                     return {"weights/push_seconds": seconds, "weights/push_gbps": gbps,
                             "weights/push_targets": float(len(targets))}
-                return await self._push_grpc(named, targets, version)
+                timeout = max(0.001, deadline - time.monotonic()) if deadline is not None else None
+                metrics, errors = await self._push_grpc(named, targets, version, timeout)
+                metrics = total = _merged(total, metrics)
+                if not errors:
+                    metrics["weights/push_seconds"] = time.perf_counter() - start
+                    return metrics
+                last = WeightPushError(f"weight push of version {version} failed: {json.dumps(errors)}",
+                                       errors)
             except (WeightPushError, DiscoveryError, OSError) as exc:
                 last = exc
-                note_push_failure()
-                log.warning("weight push failed", extra={"version": version, "attempt": attempt,
-                                                         "of": self.attempts, "error": str(exc)[:1000]})
-                if attempt < self.attempts:
-                    await asyncio.sleep(self.backoff_s * attempt)
+            note_push_failure()
+            log.warning("weight push failed", extra={"version": version, "attempt": attempt,
+                                                     "of": self.attempts, "error": str(last)[:1000]})
+            pause = self.backoff_s * attempt
+            out_of_time = deadline is not None and time.monotonic() + pause >= deadline
+            if attempt < self.attempts and not out_of_time:
+                await asyncio.sleep(pause)
+                continue
+            if self.wait_s is not None and metrics is not None and self.encoder is not None:
+                reached = [t for t in targets if self._acked.get(t) == (self.encoder.lineage, version)]
+                unreachable = [t for t in targets if t not in reached]
+                if reached:
+                    for t in unreachable:  # a full push when it is back
+                        self._acked.pop(t, None)
+                    log.warning("weight push: replicas skipped (unreachable within weight_push_wait_s)",
+                                extra={"version": version, "skipped": unreachable, "wait_s": self.wait_s,
+                                       "error": str(last)[:1000]})
+                    metrics["weights/push_unreachable"] = float(len(unreachable))
+                    metrics["weights/push_seconds"] = time.perf_counter() - start
+                    return metrics
+            break
         assert last is not None
         raise last
 
-    async def _serving_dtypes(self, targets: list[str]) -> None:
-        from services.rollout.weights.client import WeightPushError, get_replica_state
+    async def _serving_dtypes(self, targets: list[str], timeout_s: float | None) -> dict[str, str]:
+        """Ask the targets not seen yet for their serving dtype; returns those that did not answer."""
+        from services.rollout.weights.client import get_replica_state
 
         unknown = [t for t in targets if t not in self._dtypes]
-        states = await asyncio.gather(*(get_replica_state(t) for t in unknown), return_exceptions=True)
-        failed = {t: str(s)[:300] for t, s in zip(unknown, states, strict=True)
+        wait = min(10.0, timeout_s) if timeout_s is not None else 10.0
+        states = await asyncio.gather(*(get_replica_state(t, wait) for t in unknown), return_exceptions=True)
+        failed = {t: f"GetVersion: {str(s)[:300]}" for t, s in zip(unknown, states, strict=True)
                   if isinstance(s, BaseException)}
-        if failed:
-            raise WeightPushError(f"GetVersion failed: {json.dumps(failed)}", failed)
         for t, s in zip(unknown, states, strict=True):
-            self._dtypes[t] = s.serving_dtype or ""  # type: ignore[union-attr]
+            if not isinstance(s, BaseException):
+                self._dtypes[t] = s.serving_dtype or ""
+        return failed
 
     def _dtype(self, targets: list[str], master: torch.dtype) -> torch.dtype:
         from services.rollout.weights.bucketing import DTYPES
@@ -136,13 +174,15 @@ class WeightPusher:
         reported = [self._dtypes[t] for t in targets if self._dtypes.get(t) in DTYPES]
         return DTYPES[max(set(reported), key=reported.count)] if reported else master
 
-    async def _push_grpc(self, named: list[tuple[str, torch.Tensor]], targets: list[str],
-                         version: int) -> dict[str, float]:
+    async def _push_grpc(self, named: list[tuple[str, torch.Tensor]], targets: list[str], version: int,
+                         timeout_s: float | None) -> tuple[dict[str, float], dict[str, str]]:
+        """One attempt: the metrics and, by target, what failed (those targets did not take it)."""
         from services.rollout.weights.bucketing import PushKind
         from services.rollout.weights.delta import DeltaEncoder
 
         start = time.perf_counter()
-        await self._serving_dtypes(targets)
+        unanswered = await self._serving_dtypes(targets, timeout_s)
+        targets = [t for t in targets if t not in unanswered]
         master = named[0][1].dtype if named else torch.float32
         dtype = self._dtype(targets, master)
         if self.encoder is None or self.encoder.dtype != dtype:
@@ -170,11 +210,12 @@ class WeightPusher:
         base = (enc.lineage, delta.base_version) if delta is not None else None
         delta_targets = [t for t in same_dtype if base and t not in current and self._acked.get(t) == base]
         full_targets = [t for t in targets if t not in current and t not in delta_targets]
-        out = _Outcome(skipped=len(current))
-        stale = await self._deltas(delta, delta_targets, version, out) if delta is not None else []
-        full_targets += stale
+        out = _Outcome(skipped=len(current), errors=dict(unanswered))
+        if delta is not None and delta_targets:
+            full_targets += await self._deltas(delta, delta_targets, version, out, timeout_s)
         if full_targets:
-            await self._full(full_targets, version, dtype, named, out, PushKind(lineage=enc.lineage))
+            kind = PushKind(lineage=enc.lineage)
+            await self._full(full_targets, version, dtype, named, out, kind, timeout_s)
         seconds = time.perf_counter() - start
         density = delta.density if delta is not None and out.delta_targets else 1.0
         return {
@@ -190,21 +231,23 @@ class WeightPusher:
             "weights/push_encode_seconds": encode_s,
             "weights/push_wire_seconds": out.wire_seconds,
             "weights/push_load_seconds": out.load_seconds,
-        }
+            "weights/push_unreachable": 0.0,
+        }, out.errors
 
     async def _deltas(self, delta: EncodedDelta, targets: list[str], version: int,
-                      out: _Outcome) -> list[str]:
+                      out: _Outcome, timeout_s: float | None) -> list[str]:
         """The delta to each target on its own (one stale replica must not cancel the others);
-        returns the targets that refused it as stale (they get a full push)."""
+        returns the targets that refused it as stale (they get a full push); failures go to ``out``."""
         from services.rollout.weights.bucketing import PushKind
         from services.rollout.weights.client import WeightPushError, is_stale_base, push_state_dict_async
 
         assert self.encoder is not None
         kind = PushKind(delta=True, base_version=delta.base_version, lineage=self.encoder.lineage)
         reports = await asyncio.gather(*(
-            push_state_dict_async(delta.tensors, [t], version, self.token, self.bucket_bytes, kind=kind)
+            push_state_dict_async(delta.tensors, [t], version, self.token, self.bucket_bytes, timeout_s,
+                                  kind=kind)
             for t in targets), return_exceptions=True)
-        stale, failed = [], {}
+        stale = []
         for t, r in zip(targets, reports, strict=True):
             if isinstance(r, WeightPushError) and is_stale_base(r.errors.get(t, r)):
                 stale.append(t)
@@ -214,19 +257,19 @@ class WeightPusher:
                          extra={"target": t, "error": r.results.get(t)})
             elif isinstance(r, BaseException):
                 self._acked.pop(t, None)
-                failed[t] = str(r)[:300]
+                out.errors[t] = f"delta: {str(r)[:300]}"
             else:
                 out.add(r, [t], delta=True)
                 self._acked[t] = (self.encoder.lineage, version)
-        if failed:
-            raise WeightPushError(f"delta push of version {version} failed: {json.dumps(failed)}", failed)
         return stale
 
     async def _full(self, targets: list[str], version: int, dtype: torch.dtype,
-                    named: list[tuple[str, torch.Tensor]], out: _Outcome, kind: PushKind) -> None:
+                    named: list[tuple[str, torch.Tensor]], out: _Outcome, kind: PushKind,
+                    timeout_s: float | None) -> None:
         """One fan-out full push: the encoder's weights to replicas of its dtype, a cast of the master
-        weights (no lineage) to any other."""
-        from services.rollout.weights.client import push_state_dict_async
+        weights (no lineage) to any other. Targets that fail go to ``out.errors``; those that answered
+        "ok" before a failure cancelled the rest took the version."""
+        from services.rollout.weights.client import WeightPushError, push_state_dict_async
 
         assert self.encoder is not None
         name = str(dtype).removeprefix("torch.")
@@ -236,21 +279,47 @@ class WeightPusher:
         for t in targets:
             self._acked.pop(t, None)
         for group_dtype, group in groups.items():
-            if group_dtype == name:
-                report = await push_state_dict_async(self.encoder.full(), group, version, self.token,
-                                                     self.bucket_bytes, kind=kind)
-            else:  # no lineage: such a replica never gets deltas from this shadow
-                cast = getattr(torch, group_dtype)
-                report = await push_state_dict_async(((n, t.to(cast)) for n, t in named), group, version,
-                                                     self.token, self.bucket_bytes)
-            out.add(report, group, delta=False)
-            if group_dtype == name:
-                for t in group:
+            ours = group_dtype == name
+            try:
+                if ours:
+                    report = await push_state_dict_async(self.encoder.full(), group, version, self.token,
+                                                         self.bucket_bytes, timeout_s, kind=kind)
+                else:  # no lineage: such a replica never gets deltas from this shadow
+                    cast = getattr(torch, group_dtype)
+                    report = await push_state_dict_async(((n, t.to(cast)) for n, t in named), group,
+                                                         version, self.token, self.bucket_bytes, timeout_s)
+                took = group
+            except WeightPushError as exc:
+                took = [t for t in group if exc.results.get(t) == "ok"]
+                out.errors.update({t: f"full: {r}" for t, r in exc.results.items() if r != "ok"})
+                out.full_targets += len(took)
+            else:
+                out.add(report, group, delta=False)
+            if ours:
+                for t in took:
                     self._acked[t] = (self.encoder.lineage, version)
 
     def close(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
+
+
+_SUMMED = ("weights/push_delta_targets", "weights/push_full_targets", "weights/push_fallbacks",
+           "weights/push_wire_bytes", "weights/push_encode_seconds")
+_MAXED = ("weights/push_wire_seconds", "weights/push_load_seconds")
+
+
+def _merged(total: dict[str, float], attempt: dict[str, float]) -> dict[str, float]:
+    """The metrics of a push over its attempts: counts and bytes summed, slowest replica kept, the rest
+    (targets, density, ...) from the latest attempt."""
+    out = {**total, **attempt}
+    for key in _SUMMED:
+        out[key] = total.get(key, 0.0) + attempt.get(key, 0.0)
+    for key in _MAXED:
+        out[key] = max(total.get(key, 0.0), attempt.get(key, 0.0))
+    if not attempt.get("weights/push_delta_targets") and total.get("weights/push_delta_targets"):
+        out["weights/push_density"] = total["weights/push_density"]  # the delta's, not a retry's
+    return out
 
 
 async def push_weights(

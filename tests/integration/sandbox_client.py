@@ -80,3 +80,22 @@ def kill_runs_of(service_pid: int, uid_base: int = 61000) -> int:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
     return killed
+
+
+def open_session(url: str, **fields: Any) -> str:
+    resp = httpx.post(f"{url}/sessions", json=fields, timeout=120)
+    resp.raise_for_status()
+    return resp.json()["session_id"]
+
+
+def close_session(url: str, session_id: str) -> None:
+    httpx.delete(f"{url}/sessions/{session_id}", timeout=120)
+
+
+def run_in_session(url: str, code: str, **fields: Any) -> dict[str, Any]:
+    """``run_code``'s result for ``code`` run as one cell of a fresh session (closed after)."""
+    session = open_session(url, memory_limit_MB=fields.get("memory_limit_MB", -1))
+    try:
+        return run_code(url, code, session_id=session, **fields)
+    finally:
+        close_session(url, session)

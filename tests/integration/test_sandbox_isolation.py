@@ -13,9 +13,15 @@ import httpx
 import pytest
 
 from tests.conftest import SANDBOX_SECRET
-from tests.integration.sandbox_client import run_code, sandbox_pids, stderr_of, stdout_of
+from tests.integration.sandbox_client import run_code, run_in_session, sandbox_pids, stderr_of, stdout_of
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["stateless", "session"])
+def run(request):
+    """The hostile code runs as a stateless run, or as a cell of a live session (closed after)."""
+    return run_code if request.param == "stateless" else run_in_session
 
 
 def _assert_service_ok(url: str) -> None:
@@ -40,7 +46,7 @@ def test_each_run_gets_its_own_empty_workdir(sandbox_url):
     assert not os.path.exists(os.path.join(cwd, "mine.txt"))  # not on the host either
 
 
-def test_no_network_not_even_loopback(sandbox, sandbox_url, redis_server):
+def test_no_network_not_even_loopback(sandbox, sandbox_url, redis_server, run):
     port = int(sandbox_url.rsplit(":", 1)[1])
     code = f"""
 import socket
@@ -54,14 +60,14 @@ for port in ({redis_server.port}, {port}, 6379):
     except OSError as exc:
         print("blocked", port, exc.errno)
 """
-    out = stdout_of(run_code(sandbox_url, code))
+    out = stdout_of(run(sandbox_url, code))
     assert "CONNECTED" not in out
     assert out.count("blocked") == 3
     assert out.splitlines()[0] == "['lo']"
     _assert_service_ok(sandbox_url)
 
 
-def test_writes_outside_the_workdir_are_invisible_to_host_and_later_runs(sandbox_url):
+def test_writes_outside_the_workdir_are_invisible_to_host_and_later_runs(sandbox_url, run):
     tag = uuid.uuid4().hex
     targets = [f"/tmp/{tag}", f"/var/tmp/{tag}", f"/dev/shm/{tag}", f"/etc/{tag}", f"{os.getcwd()}/{tag}",
                f"/usr/{tag}"]
@@ -74,7 +80,7 @@ def test_writes_outside_the_workdir_are_invisible_to_host_and_later_runs(sandbox
         "        pass",
         "print(ok)",
     ])
-    r = run_code(sandbox_url, code)
+    r = run(sandbox_url, code)
     assert r["status"] == "Success"
     written = eval(stdout_of(r))  # noqa: S307 - our own printed list
     assert f"/etc/{tag}" not in written and f"/usr/{tag}" not in written
@@ -84,7 +90,7 @@ def test_writes_outside_the_workdir_are_invisible_to_host_and_later_runs(sandbox
     assert stdout_of(check).strip() == "[]"
 
 
-def test_service_environment_and_secrets_are_unreadable(sandbox, sandbox_url):
+def test_service_environment_and_secrets_are_unreadable(sandbox, sandbox_url, run):
     code = f"""
 import os, glob
 found = []
@@ -99,20 +105,22 @@ for path in glob.glob("/proc/*/environ") + ["/proc/{sandbox.proc.pid}/environ", 
 print("FOUND", found)
 print("KEYS", sorted(os.environ))
 """
-    out = stdout_of(run_code(sandbox_url, code))
+    out = stdout_of(run(sandbox_url, code))
     assert "FOUND []" in out, out
     assert "RETOOL_WEIGHT_TOKEN" not in out
 
 
-def test_only_the_runs_own_processes_are_visible(sandbox, sandbox_url):
+def test_only_the_runs_own_processes_are_visible(sandbox, sandbox_url, run):
     code = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid(),\n"
             "      open('/proc/1/cmdline', 'rb').read().split(b'\\0')[0])")
-    pids, own, init = stdout_of(run_code(sandbox_url, code)).rsplit(" ", 2)
-    # pid 1 is the namespace's holder (a bare sleep); the run is pid 2, so its own signals act
-    assert eval(pids) == [1, 2] and own == "2" and init.strip() == "b'sleep'"  # noqa: S307
+    pids, own, init = stdout_of(run(sandbox_url, code)).rsplit(" ", 2)
+    # pid 1 is the namespace's holder (a bare sleep; for a session a head reading a pipe that
+    # only its zygote holds); the run is pid 2, so its own signals act
+    holder = "b'head'" if run is run_in_session else "b'sleep'"
+    assert eval(pids) == [1, 2] and own == "2" and init.strip() == holder  # noqa: S307
 
 
-def test_cannot_signal_or_kill_the_service(sandbox, sandbox_url):
+def test_cannot_signal_or_kill_the_service(sandbox, sandbox_url, run):
     code = f"""
 import os, signal
 for attempt in (lambda: os.kill({sandbox.proc.pid}, signal.SIGKILL),
@@ -124,15 +132,15 @@ for attempt in (lambda: os.kill({sandbox.proc.pid}, signal.SIGKILL),
     except OSError as exc:
         print("refused", exc.errno)
 """
-    run_code(sandbox_url, code)
+    run(sandbox_url, code)
     assert sandbox.proc.poll() is None
     _assert_service_ok(sandbox_url)
 
 
-def test_runs_as_unprivileged_uid_without_new_privileges(sandbox_url):
+def test_runs_as_unprivileged_uid_without_new_privileges(sandbox_url, run):
     code = ("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())\n"
             "print([l for l in open('/proc/self/status') if l.startswith(('NoNewPrivs', 'CapEff'))])")
-    out = stdout_of(run_code(sandbox_url, code))
+    out = stdout_of(run(sandbox_url, code))
     uid, euid, gid, groups = out.splitlines()[0].split(" ", 3)
     assert int(uid) >= 1000 and uid == euid == gid and groups == "[]"
     assert "NoNewPrivs:\\t1" in out and "CapEff:\\t0000000000000000" in out
@@ -172,9 +180,9 @@ def test_cpu_bound_timeout(sandbox_url):
     assert time.monotonic() - start < 10
 
 
-def test_fork_bomb_is_contained(sandbox_url):
+def test_fork_bomb_is_contained(sandbox_url, run):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    r = run_code(sandbox_url, code, run_timeout=2)
+    r = run(sandbox_url, code, run_timeout=2)
     assert r["status"] == "Failed"
     assert _wait_no_sandbox_processes() == []
     _assert_service_ok(sandbox_url)

@@ -96,6 +96,13 @@ def test_sandbox_as_pid_1_with_only_its_capabilities(tmp_path):
         assert r["run_result"]["return_code"] == -9, r
         assert httpx.get(f"{sb.url}/healthz", timeout=10).json()["zygote_restarts"] == 0  # none exited
 
+        # a live session works with the same capabilities: state kept, files fetched, closed cleanly
+        session = httpx.post(f"{sb.url}/sessions", json={}, timeout=60).json()["session_id"]
+        run_code(sb.url, "n = 21\nopen('s.txt', 'w').write('x')", session_id=session)
+        r = run_code(sb.url, "2 * n", session_id=session, fetch_files=["s.txt"])
+        assert stdout_of(r) == "42\n" and base64.b64decode(r["files"]["s.txt"]) == b"x", r
+        assert httpx.delete(f"{sb.url}/sessions/{session}", timeout=60).json()["ended"] == "it was closed"
+
         # a zygote that dies takes its runs along; what it leaves behind comes to pid 1 (the
         # service), which kills and reaps it, and the zygote is replaced
         result: dict = {}

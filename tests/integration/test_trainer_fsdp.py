@@ -48,7 +48,7 @@ def make_optimizer(actor: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(actor.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 
 
-def _worker(rank: int, world: int, port: int, out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, out_path: str, settings: StepSettings = SETTINGS) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from services.trainer.config import FSDPConfig
@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, out_path: str) -> None:
         mesh = init_device_mesh("cpu", (world,))
         actor = apply_fsdp2(make_actor(), FSDPConfig(param_dtype="fp32", gradient_checkpointing=True), mesh)
         opt = make_optimizer(actor)
-        metrics = train_step(actor, opt, make_samples(), SETTINGS, DPInfo(rank, world))
+        metrics = train_step(actor, opt, make_samples(), settings, DPInfo(rank, world))
         state = full_state_dict(actor)
         if rank == 0:
             torch.save({"state": state, "metrics": metrics}, out_path)
@@ -120,3 +120,31 @@ def test_fsdp_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert got["step"] == 1
     for name, value in got["continued"].items():
         torch.testing.assert_close(got["resumed"][name], value, atol=1e-7, rtol=0, msg=name)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_sequence_mis_drops_the_same_sequences_on_every_rank(tmp_path):
+    """Each rank judges only its shard; the verdicts are all-reduced, so the mini-batch normalisers
+    agree and two ranks still equal one process. The cap keeps about half of the sequences."""
+    import math
+    from dataclasses import replace
+
+    from services.trainer.algo.mismatch import sequence_log_ratio
+    from services.trainer.step import recompute_logprobs
+
+    filled = recompute_logprobs(make_actor(), make_samples(), SETTINGS)
+    ratios = sorted(abs(sequence_log_ratio(s.old_logprobs, s.rollout_logprobs, s.loss_mask)) for s in filled)
+    cap = math.exp((ratios[3] + ratios[4]) / 2)  # between the 4th and 5th of 8: 4 kept, 4 dropped
+    settings = replace(SETTINGS, mis_cap=cap)
+    out_path = str(tmp_path / "fsdp-mis.pt")
+    mp.spawn(_worker, args=(2, free_port(), out_path, settings), nprocs=2, join=True)
+    got = torch.load(out_path)
+    ref_actor = make_actor()
+    ref_metrics = train_step(ref_actor, make_optimizer(ref_actor), make_samples(), settings)
+    assert ref_metrics["mismatch/mis_masked_frac"] == 0.5
+    assert got["metrics"]["mismatch/mis_masked_frac"] == 0.5
+    for k in ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3_kl", "mismatch/tis_capped_frac"):
+        assert got["metrics"][k] == pytest.approx(ref_metrics[k], rel=1e-4), k
+    for name, p in ref_actor.named_parameters():
+        torch.testing.assert_close(got["state"][name], p.detach(), atol=2e-5, rtol=1e-4, msg=name)

@@ -208,3 +208,37 @@ async def test_a_bad_delta_is_refused_and_the_served_weights_stay_untouched(repl
     assert report.replies[a.target]["changed"] == 2 and a.engine.version == 2
     assert a.weights()[name].reshape(-1)[7].view(torch.int16) == 1
     pusher.close()
+
+
+async def test_an_unreachable_replica_is_skipped_within_the_wait_and_gets_a_full_push_later(tmp_path_factory):
+    from services.common.process import free_port
+
+    model = tiny_model_dir(tmp_path_factory, seed=0)
+    live = await Replica(model).start()
+    late = Replica(model, port=free_port())  # nothing listens there yet
+    weights = {n: p.detach().float() for n, p in live.weights().items() if n != "lm_head.weight"}
+    pusher = WeightPusher([live.target, late.target], TOKEN, bucket_bytes=1 << 20, backoff_s=0.2,
+                          attempts=3, wait_s=5.0)
+    try:
+        m = await pusher.push(weights, 1)
+        assert m["weights/push_unreachable"] == 1 and m["weights/push_full_targets"] == 1
+        assert live.engine.version == 1
+        bumped = {n: t + 0.01 if n.endswith("up_proj.weight") else t for n, t in weights.items()}
+        await late.start()  # back, on the same address
+        try:
+            m = await pusher.push(bumped, 2)
+            assert m["weights/push_unreachable"] == 0
+            assert (m["weights/push_delta_targets"], m["weights/push_full_targets"]) == (1, 1)
+            _assert_serves(live, bumped, 2)
+            _assert_serves(late, bumped, 2)
+        finally:
+            await late.stop()
+        # no replica reachable: the push fails (the step must not go on as if it had been pushed)
+        strict = WeightPusher([late.target], TOKEN, bucket_bytes=1 << 20, backoff_s=0.2, attempts=3,
+                              wait_s=1.0)
+        with pytest.raises(WeightPushError):
+            await strict.push(bumped, 3)
+        strict.close()
+    finally:
+        pusher.close()
+        await live.stop()

@@ -18,6 +18,8 @@ Semantics (one response = one trajectory):
   ``max_response_tokens`` budget of generated + interpreter tokens is used up (``length``,
   ``truncated=True``; an interpreter block that does not fit is cut to the budget); the budget is
   also capped by the engine's context (``engine.max_context - 1 - len(prompt)``) when it has one;
+- with ``tool_session: persistent`` the calls of one response run in one live sandbox session,
+  opened at its first call and closed when the response ends (also on error or cancellation);
 - with ``sampling.seed`` set, sample ``i`` turn ``t`` uses seed ``seed + i + 1_000_003 * t``;
 - when the response ends and a ground truth is known, it is scored by the reward service with the
   number of tool calls; the scored text is decoded with ``skip_special_tokens=True`` (no EOS or
@@ -58,6 +60,16 @@ class Tokenizer(Protocol):
 
 class ToolRunner(Protocol):
     async def run(self, code: str) -> ToolResult: ...
+
+
+class SessionToolRunner(Protocol):
+    """What ``tool_session: persistent`` needs: ``run`` in a session, and its open and close."""
+
+    async def open_session(self) -> str: ...
+
+    async def run(self, code: str, session_id: str | None = None) -> ToolResult: ...
+
+    async def close_session(self, session_id: str) -> None: ...
 
 
 class Scorer(Protocol):
@@ -104,6 +116,7 @@ class _State:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    session_id: str | None = None  # tool_session persistent: opened at the first tool call
 
     def add_generated(self, ids: list[int], lps: list[float], vers: list[int]) -> None:
         if not (len(ids) == len(lps) == len(vers)):
@@ -175,6 +188,22 @@ class AgentLoop:
         if isinstance(ctx, int):
             budget = min(budget, ctx - 1 - len(prompt_ids))
         st = _State()
+        try:
+            finish, truncated = await self._turns(st, prompt_ids, index, sampling, max_turns, budget, stops,
+                                                  seed, request_id, on_event)
+        finally:
+            if st.session_id is not None:  # the trajectory's live interpreter ends with it
+                await self.tools.close_session(st.session_id)  # type: ignore[attr-defined]
+        traj = await self._finish(st, index, finish, truncated, ground_truth, data_source)
+        self.observer.response_done(traj)
+        if on_event is not None:
+            await on_event({"type": "done", "index": index, "trajectory": traj.model_dump(mode="json")})
+        return traj
+
+    async def _turns(self, st: _State, prompt_ids: list[int], index: int, sampling: RolloutSampling,
+                     max_turns: int, budget: int, stops: list[str], seed: int | None, request_id: str,
+                     on_event: EventSink | None) -> tuple[str, bool]:
+        """Generate and call tools until the response ends; returns (finish reason, truncated)."""
         finish: str
         truncated = False
         while True:
@@ -216,7 +245,7 @@ class AgentLoop:
                     break
                 st.tool_calls += 1
                 turn_text = self.tokenizer.decode(st.response_ids[turn_start:])
-                out = await self._call_tool(turn_text, index, on_event)
+                out = await self._call_tool(turn_text, index, on_event, st)
                 if out.error:
                     st.tool_errors += 1
                 shown = truncate_middle(out.text, self.cfg.max_tool_output_chars)
@@ -240,13 +269,21 @@ class AgentLoop:
             else:  # abort, or a stream that ended without a finished chunk
                 finish = "abort"
             break
-        traj = await self._finish(st, index, finish, truncated, ground_truth, data_source)
-        self.observer.response_done(traj)
-        if on_event is not None:
-            await on_event({"type": "done", "index": index, "trajectory": traj.model_dump(mode="json")})
-        return traj
+        return finish, truncated
 
-    async def _call_tool(self, turn_text: str, index: int, on_event: EventSink | None) -> ToolResult:
+    async def _run_tool(self, code: str, st: _State) -> ToolResult:
+        if self.cfg.tool_session == "stateless":
+            return await self.tools.run(code)
+        tools: SessionToolRunner = self.tools  # type: ignore[assignment]
+        if st.session_id is None:
+            try:
+                st.session_id = await tools.open_session()
+            except Exception as exc:  # noqa: BLE001 - the model sees why, the next call tries again
+                return ToolResult(f"Sandbox error: {exc}", True)
+        return await tools.run(code, session_id=st.session_id)
+
+    async def _call_tool(self, turn_text: str, index: int, on_event: EventSink | None,
+                         st: _State) -> ToolResult:
         call = self._parse(turn_text)
         if on_event is not None:
             await on_event({"type": "tool_call", "index": index, "code": call.code, "error": call.error})
@@ -254,7 +291,7 @@ class AgentLoop:
             out = ToolResult(call.error, True)
         else:
             assert call.code is not None
-            out = await self.tools.run(call.code)
+            out = await self._run_tool(call.code, st)
             self.observer.tool_called(out.latency_s, out.error)
         if on_event is not None:
             await on_event({"type": "tool_result", "index": index, "text": out.text, "error": out.error})

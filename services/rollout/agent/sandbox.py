@@ -2,12 +2,16 @@
 
 Invariant: ``SandboxClient.run`` never raises for a sandbox problem (connection refused, 5xx,
 time-out, odd JSON); after bounded retries it returns a ``ToolResult`` with ``error=True`` and a
-text that says what went wrong. Output longer than the limit is cut in the middle.
+text that says what went wrong (also when a session the call runs in has ended, and why). Output
+longer than the limit is cut in the middle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +61,17 @@ def format_run_result(body: dict[str, Any], run_timeout_s: float) -> ToolResult:
     return ToolResult("\n".join(p.rstrip("\n") for p in parts), error)
 
 
+class SessionUnavailable(RuntimeError):
+    """No sandbox session could be opened (the sandbox is full or unreachable)."""
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        return str(r.json().get("detail") or r.text[:200])
+    except ValueError:
+        return r.text[:200]
+
+
 class SandboxClient:
     def __init__(
         self,
@@ -78,27 +93,79 @@ class SandboxClient:
             timeout=request_timeout_s,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        self._session_replica: dict[str, str] = {}  # session id -> base URL of the replica holding it
 
-    async def run(self, code: str) -> ToolResult:
-        payload = {
+    async def _replica(self) -> str:
+        """The base URL of one sandbox replica: a session lives in one replica's memory, and a
+        name that resolves to several (``--scale sandbox=N``) would spread its calls over them."""
+        url = self._client.base_url
+        host, port = url.host, url.port or (443 if url.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            return str(url).rstrip("/")
+        v4 = [info for info in infos if info[0] == socket.AF_INET]  # one family: localhost has two
+        addresses = sorted({str(info[4][0]) for info in v4 or infos})
+        if len(addresses) <= 1:
+            return str(url).rstrip("/")
+        ip = random.choice(addresses)
+        return f"{url.scheme}://{f'[{ip}]' if ':' in ip else ip}:{port}"
+
+    async def open_session(self) -> str:
+        """A live sandbox session (``POST /sessions``) on one replica, whose calls all go there;
+        raises ``SessionUnavailable`` with the reason."""
+        last = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
+            replica = await self._replica()
+            try:
+                r = await self._client.post(f"{replica}/sessions", json={"memory_limit_MB": self.memory_mb})
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                continue
+            if r.status_code == 200:
+                session_id = str(r.json()["session_id"])
+                self._session_replica[session_id] = replica
+                return session_id
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code not in RETRY_STATUS:
+                break
+        raise SessionUnavailable(f"could not open a sandbox session ({last})")
+
+    async def close_session(self, session_id: str) -> None:
+        """End a session; never raises (an unreachable sandbox expires it by its TTL)."""
+        replica = self._session_replica.pop(session_id, "")
+        with contextlib.suppress(httpx.HTTPError):
+            await self._client.delete(f"{replica}/sessions/{session_id}")
+
+    async def run(self, code: str, session_id: str | None = None) -> ToolResult:
+        """Run ``code`` alone, or as the next cell of the live session ``session_id``."""
+        payload: dict[str, Any] = {
             "code": code,
             "language": "python",
             "run_timeout": self.run_timeout_s,
             "memory_limit_MB": self.memory_mb,
         }
+        if session_id is not None:
+            payload["session_id"] = session_id
         start = time.perf_counter()
         last = "no attempt"
         for attempt in range(self.retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
             try:
-                r = await self._client.post("/run_code", json=payload)
+                r = await self._client.post(f"{self._session_replica.get(session_id or '', '')}/run_code",
+                                            json=payload)
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 continue
             if r.status_code in RETRY_STATUS:
                 last = f"HTTP {r.status_code}"
                 continue
+            if r.status_code in (404, 410) and session_id is not None:  # the session ended: say why
+                detail = _detail(r)
+                return ToolResult(f"Sandbox error: {detail}", True, time.perf_counter() - start)
             if r.status_code != 200:
                 return ToolResult(
                     f"Sandbox error: HTTP {r.status_code}: {r.text[:200]}", True, time.perf_counter() - start
@@ -107,8 +174,12 @@ class SandboxClient:
                 body = r.json()
             except ValueError:
                 return ToolResult("Sandbox error: response is not JSON", True, time.perf_counter() - start)
-            res = format_run_result(body if isinstance(body, dict) else {}, self.run_timeout_s)
-            return ToolResult(res.text, res.error, time.perf_counter() - start)
+            body = body if isinstance(body, dict) else {}
+            res = format_run_result(body, self.run_timeout_s)
+            text = res.text
+            if session_id is not None and "ended:" in str(body.get("message") or ""):
+                text = "\n".join(p for p in (text, f"Sandbox error: {body['message']}") if p)
+            return ToolResult(text, res.error, time.perf_counter() - start)
         return ToolResult(
             f"Sandbox error: unavailable after {self.retries + 1} attempts ({last})",
             True,

@@ -288,6 +288,11 @@ class VLLMEngine:
         )
 
     # ------------------------------------------------------------------ weights
+    @property
+    def serving_dtype(self) -> str:
+        """dtype name of the served floating-point weights (what the trainer pushes and encodes deltas in)."""
+        return str(self.dtype).removeprefix("torch.")
+
     def weight_spec(self) -> WeightSpec:
         return self.spec
 

@@ -248,8 +248,8 @@ class WeightServicer:
                 replaced = await adopt(tensors, version)
             else:
                 tensors = tensors + self._rebuilt(patches)
-                await self.engine.load_weights(tensors, version)
-                replaced = self._keep_served(tensors, full=stager is None or not stager.delta)
+                await self._load(tensors, version, delta)
+                replaced = self._keep_served(tensors, full=not delta)
         except (KeyError, ValueError):  # refused by the engine's validation: nothing changed
             self._lineage = lineage
             raise
@@ -260,6 +260,18 @@ class WeightServicer:
             self._pool.handoff(name, given[name], old)
         if stager is not None and stager.kind is not None and stager.kind.lineage:
             self._lineage = stager.kind.lineage if self._pushed_as_served(stager) else ""
+
+    async def _load(self, changed: list[tuple[str, torch.Tensor]], version: int, delta: bool) -> None:
+        """``load_weights`` of a push. A delta to an engine that loads only complete pushes (it has
+        ``missing_weights``: vLLM) also carries every unchanged weight, from the served copies, so the
+        engine reloads the whole model through its exact full-push path. (vLLM reloads layer by layer
+        and processes a fused layer, e.g. ``qkv_proj``, only once all its shards arrived; and at RL
+        learning rates almost every tensor has some changed element, so a partial reload would save
+        little.)"""
+        if delta and callable(getattr(self.engine, "missing_weights", None)):
+            given = {n for n, _ in changed}
+            changed = changed + [(n, t) for n, t in self._served.items() if n not in given]
+        await self.engine.load_weights(changed, version)
 
     def _rebuilt(self, patches: list[SparsePatch]) -> list[tuple[str, torch.Tensor]]:
         """Full tensors for ``load_weights``: each served copy, staged in the pool, with its patch applied."""
