@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from services.common.files import make_world_readable
+
 Size = Literal["tiny", "small", "bench", "demo"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -264,4 +266,5 @@ def init_model_dir(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
     tokenizer.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
     (out / "retool_model.json").write_text(json.dumps({"size": size, "seed": seed, "parameters": n_params}))
+    make_world_readable(out)  # the containers (uid 10001) read it through a bind mount
     return out

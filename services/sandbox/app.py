@@ -63,6 +63,8 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
                 "in_flight": executor.stats.in_flight,
                 "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
                 "cgroups": executor.cgroups.version if executor.cgroups else None,
+                "warnings": [] if executor.cgroups or not cfg.use_cgroups else [
+                    "no writable cgroup tree: run memory/process limits are per process only"],
                 "sessions": len(registry.live), "max_sessions": cfg.max_sessions,
                 "runtime": executor.runtime_info()}
 

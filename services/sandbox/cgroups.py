@@ -6,7 +6,15 @@ controllers delegated to our cgroup), every execution slot gets its own cgroup; 
 writes the run's limits into it and the run joins it before it executes anything.
 Invariant: a slot's cgroup holds at most one run at a time (slots are exclusive), so its
 limits are that run's limits. Without cgroups the service still starts, says so in
-``/healthz``, and relies on the per-process limits.
+``/healthz`` and in an error log line, and relies on the per-process limits.
+
+In a container, the engine mounts the cgroup tree read-only. When the container has a
+cgroup namespace of its own (Docker/compose ``cgroup: private``; the default on cgroup v2
+hosts) and the service has ``CAP_SYS_ADMIN`` (which its per-run namespaces need anyway),
+it mounts a fresh, writable cgroup hierarchy over the read-only one. The root of that
+mount is the container's own cgroup (the namespace's root), so the service can subdivide
+what the engine gave the container and nothing else; the container's own limits still
+cap the whole.
 """
 
 from __future__ import annotations
@@ -15,7 +23,14 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+from services.common.logging import get_logger
+from services.sandbox import linux
+
+log = get_logger("sandbox.cgroups")
+
 CGROUP_ROOT = "/sys/fs/cgroup"
+INIT_CGROUP_NS_INO = 0xEFFFFFFB  # the kernel's PROC_CGROUP_INIT_INO: the host's cgroup namespace
+SERVICE_LEAF = "retool-service"  # v2: where the container's own processes move (no internal processes)
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,85 @@ def _writable_dir(path: str) -> bool:
     return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
+def _own_cgroup_namespace() -> bool:
+    """True in a cgroup namespace other than the host's, rooted at our own cgroup."""
+    try:
+        private = os.stat("/proc/self/ns/cgroup").st_ino != INIT_CGROUP_NS_INO
+        return private and set(_own_paths().values()) == {"/"}
+    except OSError:
+        return False
+
+
+def _hierarchy_options(kind: str) -> str | None:
+    """The v1 mount options naming ``kind``'s hierarchy (e.g. ``memory``, or ``cpu,cpuacct``)."""
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            controllers = line.split(":", 2)[1]
+            if kind in controllers.split(","):
+                return controllers
+    return None
+
+
+_MOUNT_FLAGS = linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC
+
+
+def _overmount(target: str, fstype: str, options: str | None) -> None:
+    """Mount a cgroup filesystem at ``target``, over the read-only one already there.
+
+    The kernel refuses to mount a filesystem straight onto a mount of the same superblock and
+    root (EBUSY), which the engine's read-only mount is; an empty tmpfs in between separates them.
+    """
+    linux.mount("tmpfs", target, "tmpfs", _MOUNT_FLAGS, "size=4k,mode=755")
+    linux.mount("cgroup", target, fstype, _MOUNT_FLAGS, options)
+
+
+def mount_private_hierarchy() -> str | None:
+    """Mount a writable cgroup hierarchy over the read-only one of our own cgroup namespace.
+
+    Returns None when done, else why not (the caller logs it). Only in a private cgroup
+    namespace (so the mount's root is our own cgroup, never the host's) and as root.
+    """
+    if os.geteuid() != 0:
+        return "not root"
+    if not _own_cgroup_namespace():
+        return "no private cgroup namespace (Docker: cgroup: private / --cgroupns=private)"
+    try:
+        if os.path.exists(os.path.join(CGROUP_ROOT, "cgroup.controllers")):
+            _overmount(CGROUP_ROOT, "cgroup2", None)
+            _delegate_v2_root()
+        else:
+            for kind in ("memory", "pids"):
+                options = _hierarchy_options(kind)
+                target = os.path.join(CGROUP_ROOT, kind)
+                if options is None or not os.path.isdir(target):
+                    return f"no cgroup v1 {kind} hierarchy at {target}"
+                _overmount(target, "cgroup", options)
+    except OSError as exc:
+        return f"mounting a writable cgroup hierarchy failed ({exc}; needs CAP_SYS_ADMIN and mount(2) " \
+               "allowed by seccomp/AppArmor)"
+    return None
+
+
+def _delegate_v2_root() -> None:
+    """Enable memory+pids for children of the namespace root (cgroup v2).
+
+    v2 lets a cgroup hand controllers to children only while it holds no processes itself,
+    so every process of the container moves into a leaf first.
+    """
+    leaf = os.path.join(CGROUP_ROOT, SERVICE_LEAF)
+    os.makedirs(leaf, exist_ok=True)
+    for _ in range(100):  # processes may fork while we move them
+        with open(os.path.join(CGROUP_ROOT, "cgroup.procs")) as fh:
+            pids = fh.read().split()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError), open(os.path.join(leaf, "cgroup.procs"), "w") as fh:
+                fh.write(pid)
+    with open(os.path.join(CGROUP_ROOT, "cgroup.subtree_control"), "w") as fh:
+        fh.write("+memory +pids")
+
+
 class CgroupPlan:
     def __init__(self, version: int, bases: dict[str, str]) -> None:
         self.version = version
@@ -47,14 +141,29 @@ class CgroupPlan:
 
     @classmethod
     def detect(cls, name: str) -> CgroupPlan | None:
-        """The cgroup layout we can use, or None; creates the parent directories."""
+        """The cgroup layout we can use, or None; creates the parent directories.
+
+        When the tree is read-only in a private cgroup namespace, mounts a writable one first.
+        """
+        plan = cls._usable(name)
+        if plan is not None:
+            return plan
+        why = mount_private_hierarchy()
+        if why is not None:
+            log.error("cannot get a writable cgroup tree: %s", why)
+            return None
+        return cls._usable(name, ns_root=True)
+
+    @classmethod
+    def _usable(cls, name: str, ns_root: bool = False) -> CgroupPlan | None:
         try:
             own = _own_paths()
         except OSError:
             return None
         unified = os.path.join(CGROUP_ROOT, "cgroup.controllers")
         if os.path.exists(unified):
-            parent = os.path.join(CGROUP_ROOT, own.get("", "/").lstrip("/"))
+            # our own v2 mount: slots go under the namespace root (we moved into a leaf)
+            parent = CGROUP_ROOT if ns_root else os.path.join(CGROUP_ROOT, own.get("", "/").lstrip("/"))
             try:
                 with open(os.path.join(parent, "cgroup.subtree_control")) as fh:
                     enabled = set(fh.read().split())

@@ -75,7 +75,10 @@ class Executor:
         self._stage = stage_package()
         self.cgroups = CgroupPlan.detect(f"retool-sandbox-{os.getpid()}") if cfg.use_cgroups else None
         if cfg.use_cgroups and self.cgroups is None:
-            log.warning("cgroups unavailable: memory and process limits apply per process only")
+            log.error("cgroups unavailable: a run's memory and process limits apply per process only, "
+                      "so a run that forks can exceed them. Give the service a writable cgroup tree "
+                      "(host: cgroup v1 memory+pids or v2 with both delegated; container: cgroup: private, "
+                      "CAP_SYS_ADMIN; README, Sandbox service)")
         self._slot_limits: dict[int, tuple[int, int]] = {}  # limits last written per slot cgroup
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])

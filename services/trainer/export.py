@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.files import make_world_readable
+
 
 def export_hf(checkpoint: str | Path, base_model: str | Path, out: str | Path) -> Path:
     """Load the checkpoint's weights into the base architecture and save model + tokenizer."""
@@ -26,4 +28,4 @@ def export_hf(checkpoint: str | Path, base_model: str | Path, out: str | Path) -
         shutil.rmtree(out)
     actor.lm.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(base_model)).save_pretrained(out)
-    return out
+    return make_world_readable(out)  # the containers (uid 10001) read it through a bind mount

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -66,3 +68,19 @@ def test_cli_builds_and_rejects_unknown_size(tmp_path):
 def test_unknown_size_in_api_names_the_field(tmp_path):
     with pytest.raises(ValueError, match="size"):
         init_model_dir(tmp_path / "z", "huge")  # type: ignore[arg-type]
+
+
+def test_model_files_are_readable_by_other_uids_under_a_strict_umask(tmp_path):
+    """The containers run as uid 10001 and read host-written models through a bind mount."""
+    old = os.umask(0o077)
+    try:
+        out = init_model_dir(tmp_path / "m", "tiny", seed=0)
+    finally:
+        os.umask(old)
+    files = [p for p in out.rglob("*")]
+    assert any(p.name == "model.safetensors" for p in files)
+    for path in [out, *files]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        want = 0o555 if path.is_dir() else 0o444
+        assert mode & want == want, (path, oct(mode))
+        assert not mode & 0o022, (path, oct(mode))  # readable, never made writable by others

@@ -1,0 +1,379 @@
+"""``docker compose up`` of the CPU profile, really run under a Docker engine, and driven.
+
+Runs whenever a Docker engine answers (CI: always; ``.ci/run`` starts one and sets
+``RETOOL_DOCKER_TESTS=require`` so a missing engine fails instead of skipping). Phases, each
+timed and printed:
+
+1. ``docker build`` of the CPU image (deploy/docker/Dockerfile; layers cached between runs);
+2. ``compose up`` of the CPU profile with the project's own compose file: Redis, sandbox,
+   reward, two rollout-cpu replicas (``--scale``), trainer-cpu, Prometheus, and Grafana where
+   its image exists. The only test-side override is the trainer's run config (small batches,
+   a checkpoint every 2 steps) and the model/data directories (a ``small`` random model from
+   ``retool model init-tiny``, written under a umask of 077 like a hardened root shell);
+3. every container healthy, and the sandbox reports per-run cgroups *inside its container*;
+4. hostile code through the deployed sandbox (sent from a rollout container, as the rollout
+   service sends it): a memory bomb of many processes is held to the run's cgroup limit, a
+   fork bomb ends, a run has no network at all; and the sandbox *container* has no route to
+   Redis (not by name, not by address);
+5. a rollout over HTTP with the agent loop (``max_turns`` 3), scored by the reward service;
+6. the trainer completes >= 3 steps and each one is pushed to BOTH replicas (each replica's
+   weight version equals the trainer's step);
+7. Prometheus scrapes every target up (sandbox, reward, both replicas, trainer);
+8. the trainer container is restarted and resumes from its checkpoint;
+9. ``docker compose down -v`` leaves no container or volume of the project.
+
+What it cannot show (see README, Deployment): the GPU profile (no CUDA image or GPU here),
+several machines, and Docker's own iptables isolation of internal networks where the engine
+runs with iptables off (the route-level isolation checked in phase 4 holds without it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.files import make_world_readable
+from services.demo.task import question, rl_rows, sft_messages, write_parquet
+from tests.deploy.engine import REPO, Compose, Phases, image_exists, require_engine, run, wait_for
+
+pytestmark = pytest.mark.integration
+IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
+GRAFANA_IMAGE = "grafana/grafana:11.1.0"
+REPLICAS = 2
+MIN_STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SFT_STEPS = 20
+
+
+def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
+    """Model, data and the trainer's run config.
+
+    The model: ``retool model init-tiny --size small``, then a short SFT (``retool sft run``) on
+    four tool-use traces so that it answers with a ``<code>`` call (multi-turn rollouts). Both
+    run under umask 077, as in a hardened root shell: the container user must still read them.
+    """
+    problems = [(a, b) for a in range(11, 19) for b in range(21, 29)]
+    data = tmp / "data"
+    write_parquet(data / "rl.parquet", rl_rows(problems, "train"))
+    make_world_readable(data)
+    traces = tmp / "sft.jsonl"
+    traces.write_text("".join(json.dumps({"messages": sft_messages(a, b, True)}) + "\n"
+                              for a, b in [(12, 34), (13, 21), (15, 27), (17, 22)]))
+    sft = {"model_path": str(tmp / "init"), "data": {"train_files": [str(traces)], "max_length": 256},
+           "epochs": 1000, "max_steps": SFT_STEPS, "batch_size": 4, "micro_batch_size": 4,
+           "optim": {"lr": 3e-3, "warmup_ratio": 0.0}, "progress": False,
+           "fsdp": {"param_dtype": "fp32", "gradient_checkpointing": False},
+           "checkpoint": {"dir": str(tmp / "sft-ckpt"), "save_freq": 10**6, "resume": "never"},
+           "output_dir": str(tmp / "model"), "metrics_path": str(tmp / "sft-metrics.jsonl")}
+    (tmp / "sft.yaml").write_text(yaml.safe_dump(sft))
+    cli = [sys.executable, "-m", "services.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    for args in (["model", "init-tiny", "--size", "small", "--out", str(tmp / "init")],
+                 ["sft", "run", "--config", str(tmp / "sft.yaml")]):
+        proc = subprocess.run([*cli, *args], capture_output=True, text=True, timeout=900, umask=0o077,
+                              env=env, cwd=REPO)
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+    cfg = yaml.safe_load((REPO / "deploy" / "trainer" / "tiny-cpu.yaml").read_text())
+    cfg["sampling"]["max_tokens"] = 48
+    cfg["max_steps"] = 1000
+    # every group trains (dynamic sampling would drop the SFT model's all-correct groups: no steps)
+    cfg["trainer"].update(batch_prompts=2, group_size=2, mini_batch_size=4, max_response_len=48,
+                          save_freq=2, total_epochs=100, dynamic_sampling={"enabled": False})
+    run_cfg = tmp / "smoke-cpu.yaml"
+    run_cfg.write_text(yaml.safe_dump(cfg))
+    run_cfg.chmod(0o644)
+    return tmp / "model", data, run_cfg
+
+
+def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path) -> Compose:
+    env = tmp / "smoke.env"
+    env.write_text("\n".join([
+        f"RETOOL_IMAGE={IMAGE}", f"MODEL_DIR={model}", f"DATA_DIR={data}",
+        f"RETOOL_WEIGHT_TOKEN={secrets.token_hex(16)}", f"GRAFANA_ADMIN_PASSWORD={secrets.token_hex(8)}",
+        f"PROMETHEUS_PORT={_free_port()}", f"GRAFANA_PORT={_free_port()}", "SANDBOX_MAX_CONCURRENCY=8",
+        "TRAINER_CPU_THREADS=1", "TRAINER_NPROC=1", "CHECKPOINT_DIR=checkpoints",
+    ]) + "\n")
+    override = tmp / "smoke.override.yml"
+    override.write_text(yaml.safe_dump({"services": {
+        "trainer-cpu": {"volumes": [f"{run_cfg}:/etc/retool/tiny-cpu.yaml:ro"]},
+        "rollout-cpu": {"environment": {"OMP_NUM_THREADS": "1"}},
+    }}))
+    files = [REPO / "deploy" / "docker-compose.yml", override]
+    return Compose(f"retool-smoke-{os.getpid()}", env, files)
+
+
+SERVICES = ["redis", "sandbox", "reward", "prometheus", "rollout-cpu", "trainer-cpu"]
+
+
+def _health(c: Compose) -> dict[str, str]:
+    return {x["Name"]: (x.get("Health") or x.get("State")) for x in c.containers()}
+
+
+def _diag(c: Compose) -> str:
+    return "\n".join(f"--- {s}\n{c.logs(s, 60)[-4000:]}" for s in [*SERVICES, "grafana"])
+
+
+def _get(c: Compose, service: str, url: str, index: int = 1) -> dict:
+    code = f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=20).read().decode())"
+    return c.json_from(service, code, index=index)  # type: ignore[return-value]
+
+
+def _post_script(url: str, body: dict, timeout: float) -> str:
+    """Python that POSTs ``body`` as JSON to ``url`` and prints the JSON answer (run in a container)."""
+    return ("import json, urllib.request\n"
+            f"req = urllib.request.Request({url!r}, data={json.dumps(body).encode()!r}, "
+            "headers={'content-type': 'application/json'})\n"
+            f"print(urllib.request.urlopen(req, timeout={timeout}).read().decode())\n")
+
+
+def _run_code(c: Compose, code: str, **kw) -> dict:
+    """POST /run_code from inside a rollout replica (the route the rollout service uses)."""
+    body = {"code": code, "language": "python", **kw}
+    return c.json_from("rollout-cpu", _post_script("http://sandbox:8080/run_code", body, 180),  # type: ignore[return-value]
+                       timeout=240)
+
+
+def _stdout(r: dict) -> str:
+    return (r.get("run_result") or {}).get("stdout") or ""
+
+
+# 8 children of 200 MB; the run's cgroup admits memory_limit_MB + tmpfs (64) + slack (256) =
+# 576 MB, so at most two hold their memory at once. No sleep decides: the parent waits (with
+# a deadline) until every child has allocated or been killed.
+MEMORY_BOMB = """
+import os, time
+kids = []
+for _ in range(8):
+    pid = os.fork()
+    if pid == 0:
+        b = bytearray(200 * 2**20)
+        for i in range(0, len(b), 4096):
+            b[i] = 1
+        open(f"held-{os.getpid()}", "w").close()
+        time.sleep(120)
+        os._exit(0)
+    kids.append(pid)
+dead, deadline = set(), time.monotonic() + 60
+while time.monotonic() < deadline:
+    for pid in set(kids) - dead:
+        if os.waitpid(pid, os.WNOHANG) != (0, 0):
+            dead.add(pid)
+    if all(pid in dead or os.path.exists(f"held-{pid}") for pid in kids):
+        break
+    time.sleep(0.05)
+settled = all(pid in dead or os.path.exists(f"held-{pid}") for pid in kids)
+holding = [pid for pid in kids if pid not in dead and os.path.exists(f"held-{pid}")]
+print("settled", settled, "holding", len(holding), "killed", len(dead))
+"""
+
+FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+
+NO_NETWORK = """
+import socket
+out = {}
+for name, target in (("redis", ("redis", 6379)), ("sandbox", ("sandbox", 8080)), ("ip", ("1.1.1.1", 53))):
+    try:
+        socket.create_connection(target, timeout=3).close()
+        out[name] = "connected"
+    except OSError as exc:
+        out[name] = type(exc).__name__
+print(sorted(name for _, name in socket.if_nameindex()), out)  # interfaces of the run's netns
+"""
+
+# Run by the sandbox *service* container itself (root, not a run): can it reach Redis?
+SANDBOX_CONTAINER_TO_REDIS = """
+import json, socket
+out = {}
+try:
+    socket.getaddrinfo("redis", 6379)
+    out["dns"] = "resolved"
+except OSError as exc:
+    out["dns"] = type(exc).__name__
+ips = REDIS_IPS
+for ip in ips:
+    try:
+        socket.create_connection((ip, 6379), timeout=3).close()
+        out[ip] = "connected"
+    except OSError as exc:
+        out[ip] = f"{type(exc).__name__}: {exc.strerror}"
+print(json.dumps(out))
+"""
+
+
+def _container_ips(c: Compose, service: str) -> list[str]:
+    (cid,) = c.cmd("ps", "-q", service, timeout=60).stdout.split()
+    nets = json.loads(run(["docker", "inspect", "--format", "{{json .NetworkSettings.Networks}}", cid],
+                          timeout=60).stdout)
+    return [n["IPAddress"] for n in nets.values() if n.get("IPAddress")]
+
+
+# Run in the trainer's container, in one go (the CPU trainer steps about once a second): the
+# trainer's step, then every rollout replica's weight version (each A record of `rollout`, as
+# the trainer's dns: target resolves it), then the step again.
+PUSH_PROBE = """
+import json, socket, urllib.request
+def get(url):
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+ips = sorted({a[4][0] for a in socket.getaddrinfo("rollout", 8000, proto=socket.IPPROTO_TCP)})
+before = get("http://127.0.0.1:9100/healthz")["step"]
+versions = [get(f"http://{ip}:8000/healthz")["weight_version"] for ip in ips]
+after = get("http://127.0.0.1:9100/healthz")["step"]
+print(json.dumps({"before": before, "versions": versions, "after": after}))
+"""
+
+
+def _steps_and_versions(c: Compose) -> tuple[int, list[int], int]:
+    got = c.json_from("trainer-cpu", PUSH_PROBE)
+    return got["before"], got["versions"], got["after"]  # type: ignore[index]
+
+
+def _prometheus(c: Compose, path: str) -> dict:
+    port = next(line.split("=", 1)[1] for line in c.env_file.read_text().splitlines()
+                if line.startswith("PROMETHEUS_PORT="))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.timeout(3000)
+def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
+    require_engine()
+    phases = Phases()
+    tmp = tmp_path_factory.mktemp("compose-smoke")
+    tmp.chmod(0o755)
+
+    # 1. the image, as a user builds it (classic builder: no BuildKit on every engine)
+    run(["env", "DOCKER_BUILDKIT=0", "docker", "build", "--network", "host", "-f", "deploy/docker/Dockerfile",
+         "-t", IMAGE, "."], timeout=1800)
+    phases.done("build image")
+
+    model, data, run_cfg = _prepare(tmp)
+    phases.done(f"model (init-tiny small + {SFT_STEPS}-step SFT) and data")
+    with_grafana = image_exists(GRAFANA_IMAGE)
+    c = _compose(tmp, model, data, run_cfg)
+    services = SERVICES + (["grafana"] if with_grafana else [])
+    try:
+        # 2. bring-up (compose waits for each depends_on to be healthy before starting the next)
+        c.cmd("up", "-d", "--no-build", "--scale", f"rollout-cpu={REPLICAS}", *services, timeout=900)
+        phases.done("compose up" + (" (with grafana)" if with_grafana else " (no grafana image)"))
+
+        # 3. all healthy; the sandbox enforces per-run cgroups inside its container
+        expected = len(services) + REPLICAS - 1
+        wait_for("every container healthy",
+                 lambda: (h := _health(c)) and len(h) == expected and all(v == "healthy" for v in h.values()),
+                 timeout_s=600, diag=lambda: f"{_health(c)}\n{_diag(c)}")
+        health = _get(c, "rollout-cpu", "http://sandbox:8080/healthz")
+        assert health["cgroups"] in (1, 2), f"per-run cgroups not enforced in the container: {health}"
+        assert health["warnings"] == [] and health["zygote_restarts"] == 0, health
+        phases.done("wait healthy")
+
+        # 4. hostile code inside the deployment
+        r = _run_code(c, MEMORY_BOMB, memory_limit_MB=256, run_timeout=90)
+        words = _stdout(r).split()
+        assert words[:2] == ["settled", "True"], r
+        holding, killed = int(words[3]), int(words[5])
+        assert 1 <= holding <= 2 and killed >= 6, r  # the run's cgroup, not the container, stopped it
+        r = _run_code(c, FORK_BOMB, run_timeout=3)
+        assert r["status"] == "Failed", r
+        r = _run_code(c, NO_NETWORK)
+        assert r["status"] == "Success", r
+        assert _stdout(r).startswith("['lo'] {") or _stdout(r).startswith("[] {"), r
+        assert "connected" not in _stdout(r), r
+        redis_ips = _container_ips(c, "redis")
+        reach = c.json_from("sandbox", SANDBOX_CONTAINER_TO_REDIS.replace("REDIS_IPS", repr(redis_ips)))
+        assert reach["dns"] != "resolved", reach  # type: ignore[index]
+        assert not any(v.startswith("connected") for v in reach.values()), reach  # type: ignore[union-attr]
+        health = _get(c, "rollout-cpu", "http://sandbox:8080/healthz")
+        assert health["status"] == "ok" and health["in_flight"] == 0, health
+        assert _stdout(_run_code(c, "print(6*7)")).strip() == "42"  # still serving after the bombs
+        phases.done("hostile code (memory bomb, fork bomb, no network, sandbox->redis)")
+
+        # 5. a rollout over HTTP through the agent loop (trainer container -> rollout:8000)
+        body = {"messages": [{"role": "user", "content": question(14, 25)}],
+                "ground_truth": "350", "n": 4, "max_turns": 3, "sampling": {"max_tokens": 64, "seed": 1}}
+        script = _post_script("http://rollout:8000/v1/rollouts", body, 300)
+        out = c.json_from("trainer-cpu", script, timeout=360)
+        trajectories = out["trajectories"]  # type: ignore[index]
+        assert len(trajectories) == 4
+        for t in trajectories:
+            assert len(t["response_ids"]) == len(t["loss_mask"]) == len(t["logprobs"]) > 0, t
+            assert t["reward"] is not None and t["finish_reason"], t
+        # multi-turn: a tool call ran in the deployed sandbox and its output came back as a turn
+        tool_turns = [t for t in trajectories
+                      if t["tool_calls"] >= 1 and "<interpreter>" in t["response_text"]]
+        assert tool_turns, [t["response_text"] for t in trajectories]
+        assert any(0 in t["loss_mask"] for t in tool_turns)  # the interpreter's text is not trained on
+        phases.done(f"rollout over HTTP ({len(tool_turns)}/4 multi-turn with tool calls)")
+
+        # 6. >= 3 steps, each pushed to both replicas
+        def pushed() -> tuple[int, list[int]] | None:
+            before, versions, after = _steps_and_versions(c)
+            ok = before == after >= MIN_STEPS and versions == [after] * REPLICAS
+            return (after, versions) if ok else None
+
+        step, versions = wait_for(f"trainer step >= {MIN_STEPS} on both replicas", pushed, timeout_s=900,
+                                  interval_s=3, diag=lambda: c.logs("trainer-cpu", 80))
+        phases.done(f"trainer {step} steps, pushed to {len(versions)} replicas")
+
+        # 7. Prometheus scrapes every target
+        def targets_up() -> list[tuple[str, str]] | None:
+            active = _prometheus(c, "/api/v1/targets?state=active")["data"]["activeTargets"]
+            jobs = [(t["labels"]["job"], t["health"]) for t in active]
+            want = {"sandbox": 1, "reward": 1, "rollout": REPLICAS, "trainer": 1}
+            ok = all(sum(1 for j, h in jobs if j == job and h == "up") == n for job, n in want.items())
+            return jobs if ok and len(jobs) == sum(want.values()) else None
+
+        wait_for("Prometheus: every target up", targets_up, timeout_s=180, interval_s=3,
+                 diag=lambda: json.dumps(_prometheus(c, "/api/v1/targets"))[-3000:])
+        q = _prometheus(c, "/api/v1/query?query=rollout_weight_version")["data"]["result"]
+        assert len(q) == REPLICAS, q
+        phases.done("prometheus targets up")
+
+        # 8. restart the trainer: it resumes from its checkpoint
+        c.cmd("restart", "trainer-cpu", timeout=300)
+        started = time.time()
+
+        def resumed() -> int | None:
+            logs = c.cmd("logs", "--no-color", "--since", str(int(started) - 1), "trainer-cpu",
+                         timeout=60, check=False)
+            text = logs.stdout + logs.stderr
+            marker = "resumed from "
+            if marker not in text:
+                return None
+            tail = text[text.rindex(marker):]
+            return int(tail.split("(step ", 1)[1].split(",", 1)[0])
+
+        resumed_step = wait_for("trainer resumed from a checkpoint", resumed, timeout_s=300, interval_s=3,
+                                diag=lambda: c.logs("trainer-cpu", 80))
+        assert resumed_step >= 2, resumed_step  # save_freq 2 and >= 3 steps done before the restart
+        wait_for("a step after the resume", lambda: _steps_and_versions(c)[2] > resumed_step,
+                 timeout_s=600, interval_s=3, diag=lambda: c.logs("trainer-cpu", 80))
+        phases.done(f"trainer restart, resumed from step {resumed_step}")
+    except BaseException:
+        print(_diag(c))
+        raise
+    finally:
+        # 9. down -v
+        c.cmd("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
+    assert c.containers() == []
+    left = run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={c.project}"],
+               timeout=60).stdout.split()
+    assert left == [], left
+    phases.done("compose down -v")
+    print(json.dumps(phases.times))
