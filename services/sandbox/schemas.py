@@ -52,15 +52,31 @@ def check_files(value: dict[str, str | None]) -> dict[str, str | None]:
     return value
 
 
-class RunCodeRequest(BaseModel):
+class WorkspaceFiles(BaseModel):
+    """Files a request puts into the run's working directory and the ones it wants back.
+
+    Invariant: every path is relative and stays inside the working directory, and every
+    content is valid base64, before anything runs."""
+
+    files: dict[str, str | None] = Field(default_factory=dict, description="path -> base64 content")
+    fetch_files: list[str] = Field(default_factory=list, max_length=1024)
+
+    @field_validator("files")
+    @classmethod
+    def _files_valid(cls, value: dict[str, str | None]) -> dict[str, str | None]:
+        return check_files(value)
+
+    def decoded_files(self) -> dict[str, bytes]:
+        return {check_relative_path(p): base64.b64decode(c) if c else b"" for p, c in self.files.items()}
+
+
+class RunCodeRequest(WorkspaceFiles):
     code: str = Field(..., max_length=MAX_CODE_BYTES)
     language: str = "python"
     compile_timeout: float = Field(10, ge=0)
     run_timeout: float | None = Field(None, gt=0, description="seconds; default from service config")
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
     stdin: str | None = None
-    files: dict[str, str | None] = Field(default_factory=dict, description="path -> base64 content")
-    fetch_files: list[str] = Field(default_factory=list, max_length=1024)
     session_id: str | None = Field(None, max_length=64, description=(
         "run in this live session (POST /sessions): globals persist between calls"))
 
@@ -71,14 +87,6 @@ class RunCodeRequest(BaseModel):
             raise ValueError(f"language {value!r} is not supported by this sandbox; "
                              f"use one of {sorted(PYTHON_ALIASES)}")
         return "python"
-
-    @field_validator("files")
-    @classmethod
-    def _files_valid(cls, value: dict[str, str | None]) -> dict[str, str | None]:
-        return check_files(value)
-
-    def decoded_files(self) -> dict[str, bytes]:
-        return {check_relative_path(p): base64.b64decode(c) if c else b"" for p, c in self.files.items()}
 
 
 class CommandRunResult(BaseModel):
@@ -113,7 +121,7 @@ class SessionResponse(BaseModel):
     message: str = ""
 
 
-class RunJupyterRequest(BaseModel):
+class RunJupyterRequest(WorkspaceFiles):
     """SandboxFusion's ``/run_jupyter`` request; ``session_id`` (ours) runs the cells in a live
     session instead of a fresh one, so earlier cells need not be sent again."""
 
@@ -123,8 +131,6 @@ class RunJupyterRequest(BaseModel):
     total_timeout: float = Field(45, gt=0, description="seconds for all cells")
     kernel: str = "python3"
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
-    files: dict[str, str | None] = Field(default_factory=dict, description="path -> base64 content")
-    fetch_files: list[str] = Field(default_factory=list, max_length=1024)
     session_id: str | None = Field(None, max_length=64)
 
     @field_validator("kernel")
@@ -133,14 +139,6 @@ class RunJupyterRequest(BaseModel):
         if value not in ("python3", "python"):
             raise ValueError(f"kernel {value!r} is not supported; use 'python3'")
         return "python3"
-
-    @field_validator("files")
-    @classmethod
-    def _files_valid(cls, value: dict[str, str | None]) -> dict[str, str | None]:
-        return check_files(value)
-
-    def decoded_files(self) -> dict[str, bytes]:
-        return {check_relative_path(p): base64.b64decode(c) if c else b"" for p, c in self.files.items()}
 
     @field_validator("cells")
     @classmethod

@@ -45,6 +45,7 @@ import yaml
 from services.common.files import make_world_readable
 from services.demo.task import question, rl_rows, sft_messages, write_parquet
 from tests.deploy.engine import REPO, Compose, Phases, image_exists, require_engine, run, wait_for
+from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 
 pytestmark = pytest.mark.integration
 IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
@@ -157,31 +158,7 @@ def _stdout(r: dict) -> str:
 # 8 children of 200 MB; the run's cgroup admits memory_limit_MB + tmpfs (64) + slack (256) =
 # 576 MB, so at most two hold their memory at once. No sleep decides: the parent waits (with
 # a deadline) until every child has allocated or been killed.
-MEMORY_BOMB = """
-import os, time
-kids = []
-for _ in range(8):
-    pid = os.fork()
-    if pid == 0:
-        b = bytearray(200 * 2**20)
-        for i in range(0, len(b), 4096):
-            b[i] = 1
-        open(f"held-{os.getpid()}", "w").close()
-        time.sleep(120)
-        os._exit(0)
-    kids.append(pid)
-dead, deadline = set(), time.monotonic() + 60
-while time.monotonic() < deadline:
-    for pid in set(kids) - dead:
-        if os.waitpid(pid, os.WNOHANG) != (0, 0):
-            dead.add(pid)
-    if all(pid in dead or os.path.exists(f"held-{pid}") for pid in kids):
-        break
-    time.sleep(0.05)
-settled = all(pid in dead or os.path.exists(f"held-{pid}") for pid in kids)
-holding = [pid for pid in kids if pid not in dead and os.path.exists(f"held-{pid}")]
-print("settled", settled, "holding", len(holding), "killed", len(dead))
-"""
+MEMORY_BOMB = forked_memory_bomb(children=8, mb=200, settle_s=60)
 
 FORK_BOMB = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
 
@@ -285,10 +262,10 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
 
         # 4. hostile code inside the deployment
         r = _run_code(c, MEMORY_BOMB, memory_limit_MB=256, run_timeout=90)
-        words = _stdout(r).split()
-        assert words[:2] == ["settled", "True"], r
-        holding, killed = int(words[3]), int(words[5])
-        assert 1 <= holding <= 2 and killed >= 6, r  # the run's cgroup, not the container, stopped it
+        verdict = MemoryBombVerdict.parse(_stdout(r))
+        assert verdict.settled, r
+        # the run's cgroup, not the container, stopped it
+        assert 1 <= verdict.holding <= 2 and verdict.killed >= 6, r
         r = _run_code(c, FORK_BOMB, run_timeout=3)
         assert r["status"] == "Failed", r
         r = _run_code(c, NO_NETWORK)

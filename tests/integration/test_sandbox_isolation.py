@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import SANDBOX_SECRET
+from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 from tests.integration.sandbox_client import run_code, run_in_session, sandbox_pids, stderr_of, stdout_of
 
 pytestmark = pytest.mark.integration
@@ -243,37 +244,12 @@ def test_memory_limit_covers_all_processes_of_a_run(sandbox_url):
     allocated and signalled it (a ``held-PID`` file) or been killed, then counts the holders."""
     health = httpx.get(f"{sandbox_url}/healthz", timeout=10).json()
     assert health["cgroups"] in (1, 2), "this host offers cgroups; the sandbox must use them"
-    code = """
-import os, time
-kids = []
-for _ in range(8):
-    pid = os.fork()
-    if pid == 0:
-        b = bytearray(600 * 2**20)
-        for i in range(0, len(b), 4096):
-            b[i] = 1
-        open(f"held-{os.getpid()}", "w").close()
-        time.sleep(120)  # keep holding it until the run ends
-        os._exit(0)
-    kids.append(pid)
-dead, deadline = set(), time.monotonic() + 40
-while time.monotonic() < deadline:
-    for pid in set(kids) - dead:
-        if os.waitpid(pid, os.WNOHANG) != (0, 0):
-            dead.add(pid)
-    if all(pid in dead or os.path.exists(f"held-{pid}") for pid in kids):
-        break
-    time.sleep(0.05)
-settled = all(pid in dead or os.path.exists(f"held-{pid}") for pid in kids)
-holding = [pid for pid in kids if pid not in dead and os.path.exists(f"held-{pid}")]
-print("settled", settled, "allocated", len(os.listdir(".")), "holding", len(holding), "killed", len(dead))
-"""
+    code = forked_memory_bomb(children=8, mb=600, settle_s=40)
     r = run_code(sandbox_url, code, memory_limit_MB=1024, run_timeout=60)
-    words = stdout_of(r).split()
-    assert words[:2] == ["settled", "True"], r
-    allocated, holding, killed = int(words[3]), int(words[5]), int(words[7])
-    assert 1 <= holding <= 2, r  # never more than the run's limit resident at once
-    assert allocated >= holding and killed >= 6
+    verdict = MemoryBombVerdict.parse(stdout_of(r))
+    assert verdict.settled, r
+    assert 1 <= verdict.holding <= 2, r  # never more than the run's limit resident at once
+    assert verdict.allocated >= verdict.holding and verdict.killed >= 6, r
     assert _wait_no_sandbox_processes(10) == []
     _assert_service_ok(sandbox_url)
 
