@@ -82,7 +82,7 @@ class LiveSession:
         self._oom_at_start = _oom_kills(spec)
         os.close(fds.in_w)  # a session reads no stdin: EOF at once
         fds.in_w = -1
-        self._streams = {fds.out_r: "out", fds.err_r: "err"}
+        self._streams = {fds.out_r: "out", fds.err_r: "err"}  # by name: each cell gets new buffers
         for fd in self._streams:
             os.set_blocking(fd, False)
             self.loop.add_reader(fd, self._read, fd)
@@ -98,29 +98,23 @@ class LiveSession:
         self._ctl = await asyncio.open_unix_connection(sock=sock, limit=MAX_RESULT_FRAME + 8)
 
     # -- output --------------------------------------------------------------------------------
-    def _read(self, fd: int) -> None:
+    def _read(self, fd: int) -> bool:
+        """One chunk of ``fd`` into its buffer; False when nothing more is there for now (or ever)."""
         try:
             chunk = os.read(fd, 65536)
         except BlockingIOError:
-            return
+            return False
         if chunk:
             (self.out if self._streams[fd] == "out" else self.err).feed(chunk)
-            return
+            return True
         self.loop.remove_reader(fd)
         del self._streams[fd]
+        return False
 
     def _drain(self) -> None:
         for fd in list(self._streams):
-            while fd in self._streams:
-                try:
-                    chunk = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                if not chunk:
-                    self.loop.remove_reader(fd)
-                    del self._streams[fd]
-                    break
-                (self.out if self._streams[fd] == "out" else self.err).feed(chunk)
+            while self._read(fd):
+                pass
 
     # -- end -----------------------------------------------------------------------------------
     def kill(self, reason: str) -> None:

@@ -110,6 +110,7 @@ async def test_stop_string_ending_inside_a_token_keeps_that_token(engine):
                                                         stop=["never-there", stop]), "stop")
     assert res.finish_reason == "stop" and res.stop_str == stop
     assert res.token_ids == free.token_ids[: k + 1]
+    assert tok.decode(res.token_ids).endswith(pieces[k])
     assert len(res.logprobs) == len(res.versions) == k + 1
 
 
