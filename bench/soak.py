@@ -34,11 +34,11 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.common.local_stack import start_tool_services  # noqa: E402
 from services.common.process import ServiceProcess, free_port  # noqa: E402
 from services.common.redis_server import PrivateRedis  # noqa: E402
 from services.demo.task import rl_rows, write_parquet  # noqa: E402
 from services.sandbox.launcher import SandboxProcess  # noqa: E402
+from services.stack.local import start_tool_services  # noqa: E402
 from tests.helpers.scripted_model import branching_model_dir  # noqa: E402
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"

@@ -45,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.process import free_port  # noqa: E402
-from services.rollout.weights.bucketing import DEFAULT_BUCKET_BYTES  # noqa: E402
+from services.transport.weights.bucketing import DEFAULT_BUCKET_BYTES  # noqa: E402
 
 TOKEN = "bench-weight-token"
 
@@ -53,7 +53,7 @@ TOKEN = "bench-weight-token"
 def _wait_replica(target: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     import grpc
 
-    from services.rollout.weights.client import get_version
+    from services.transport.weights.client import get_version
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -109,7 +109,7 @@ def _encodings(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]
     """Bytes and seconds of candidate delta encodings of one real step (bf16 bit patterns)."""
     import numpy as np
 
-    from services.rollout.weights.delta import int_view
+    from services.transport.weights.delta import int_view
 
     pairs = [(int_view(old[n]), int_view(new[n])) for n in new]
     total = sum(a.nbytes for a, _ in pairs)
@@ -218,8 +218,8 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     from services.rollout.model_init import init_model_dir
-    from services.rollout.weights.client import get_replica_state, push_state_dict_shm
     from services.trainer.push import WeightPusher
+    from services.transport.weights.client import get_replica_state, push_state_dict_shm
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     hf_logging.disable_progress_bar()

@@ -20,8 +20,8 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set grpo.steps=20"),
 ) -> None:
     from services.common.config import load_config
-    from services.common.local_stack import run_interruptible
     from services.demo.pipeline import QUICK, Demo, DemoConfig
+    from services.stack.local import run_interruptible
 
     values = {**(QUICK if quick else {}), "out_dir": str(out), "seed": seed}
     cfg = load_config(DemoConfig, file=config, env_prefix="RETOOL_DEMO", values=values, overrides=set_)

@@ -148,9 +148,9 @@ class Demo:
         return Path(model)
 
     def start_services(self, stack: contextlib.ExitStack, model: Path) -> None:
-        from services.common.local_stack import start_tool_services
         from services.common.process import ServiceProcess, free_port
         from services.common.redis_server import PrivateRedis
+        from services.stack.local import start_tool_services
 
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)

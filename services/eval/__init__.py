@@ -24,8 +24,8 @@ def eval_command(
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set temperature=0.6"),
 ) -> None:
     from services.common.config import load_config
-    from services.common.local_stack import run_interruptible
     from services.eval.run import EvalConfig, evaluate
+    from services.stack.local import run_interruptible
 
     given = {"model": str(model) if model else None, "data": str(data) if data else None, "n": n,
              "rollout_urls": rollout_url or None, "out_dir": str(out) if out else None, "limit": limit}

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from services.eval.run import EvalReport
+from services.eval.schemas import EvalReport
 
 _CURVE = re.compile(r"^val-(?:core|aux)/(?P<src>.+)/acc/(?P<kind>best|worst|maj)@(?P<k>\d+)/mean$")
 _MEAN = re.compile(r"^val-(?:core|aux)/(?P<src>.+)/acc/mean@(?P<n>\d+)$")

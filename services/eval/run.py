@@ -18,50 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from pydantic import Field, model_validator
-
-from services.common.config import ConfigError, StrictModel
+from services.common.config import ConfigError
 from services.common.schemas import Group, PromptJob, RolloutSampling
-from services.eval.metrics import EvalSummary, reference_metrics, summarize
-
-
-class EvalConfig(StrictModel):
-    data: str = Field(description="parquet with prompt / reward_model.ground_truth / data_source columns")
-    model: str | None = Field(None, description="HF model directory served by a local rollout service")
-    rollout_urls: list[str] = Field(default_factory=list,
-                                    description="running rollout replicas; empty = start one locally")
-    n: int = Field(30, ge=1, le=1024, description="responses per prompt")
-    limit: int | None = Field(None, ge=1, description="evaluate only the first LIMIT prompts")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(0.6, gt=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1, description="response budget; unset = the service's default")
-    max_turns: int | None = Field(None, ge=0, description="tool calls per response; unset = the service's")
-    seed: int | None = 0
-    concurrency: int = Field(16, ge=1, description="prompts in flight")
-    n_bootstrap: int = Field(1000, ge=1)
-    out_dir: str = "runs/eval"
-    rollout_args: list[str] = Field(default_factory=list,
-                                    description="extra `retool rollout serve` args (local service)")
-    startup_timeout_s: float = Field(300.0, gt=0)
-
-    @model_validator(mode="after")
-    def _where(self) -> EvalConfig:
-        if not self.rollout_urls and not self.model:
-            raise ValueError("give either 'model' (a local rollout service is started) or 'rollout_urls'")
-        if self.rollout_urls and self.model:
-            raise ValueError("give 'model' or 'rollout_urls', not both (a running service has its own model)")
-        if not Path(self.data).is_file():
-            raise ValueError(f"data: file {self.data} does not exist")
-        if self.model and not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"model: {self.model} is not a Hugging Face model directory (no config.json)")
-        return self
-
-
-class EvalReport(StrictModel):
-    config: EvalConfig
-    summary: EvalSummary
-    metrics: dict[str, float] = Field(description="reference names: val-core/<source>/acc/mean@N, …")
-    wall_seconds: float
+from services.eval.metrics import reference_metrics, summarize
+from services.eval.schemas import EvalConfig, EvalReport
 
 
 def _jobs(cfg: EvalConfig) -> list[PromptJob]:
@@ -74,8 +34,8 @@ def _jobs(cfg: EvalConfig) -> list[PromptJob]:
 
 
 def _start_local_rollout(stack: contextlib.ExitStack, cfg: EvalConfig, out: Path) -> str:
-    from services.common.local_stack import start_tool_services
     from services.common.process import ServiceProcess
+    from services.stack.local import start_tool_services
 
     logs = out / "logs"
     sandbox_url, reward_url = start_tool_services(stack, logs)
@@ -92,7 +52,7 @@ async def collect_groups(urls: list[str], jobs: list[PromptJob], concurrency: in
     """``groups[i]`` answers ``jobs[i]``; a progress bar shows accuracy and tool use so far."""
     from tqdm import tqdm
 
-    from services.rollout.http_client import rollout_groups
+    from services.transport.rollout.client import rollout_groups
 
     bar = tqdm(total=len(jobs), desc=desc, unit="prompt")
     stats = {"correct": 0, "tool": 0, "responses": 0}

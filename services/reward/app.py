@@ -20,9 +20,9 @@ from prometheus_client.registry import Collector
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.reward.config import RewardConfig
 from services.reward.grader import Grader, Overloaded, Reason
-from services.reward.schemas import BatchRequest, BatchResponse, ScoreRequest, ScoreResult
 from services.reward.scoring import score
 from services.reward.workers import SymbolicPool
+from services.transport.reward.schemas import BatchRequest, BatchResponse, ScoreRequest, ScoreResult
 
 
 class _PoolCollector(Collector):

@@ -12,28 +12,17 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from services.chat.format import ChatFormat
 from services.common.config import ConfigError, StrictModel
 
-ToolFormat = Literal["code", "hermes"]
 
-CODE_RESULT_TEMPLATE = "\n<interpreter>\n{output}\n</interpreter>\n"
-HERMES_RESULT_TEMPLATE = "\n<tool_response>\n{output}\n</tool_response>\n"
+class AgentConfig(ChatFormat):
+    """The multi-turn tool loop (see services/rollout/agent/loop.py for the exact semantics); the
+    token layout it shares with SFT is the ``ChatFormat`` part."""
 
-
-class AgentConfig(StrictModel):
-    """The multi-turn tool loop (see services/rollout/agent/loop.py for the exact semantics)."""
-
-    tool_format: ToolFormat = Field("code", description="code: <code>..</code>; hermes: <tool_call>{json}")
-    tool_name: str = Field("code_interpreter", min_length=1, description="hermes function name")
     max_turns: int = Field(8, ge=0, description="tool calls per response; one more request ends it")
     max_response_tokens: int = Field(16384, ge=1, description="generated + interpreter tokens")
     stop_at_answer: bool = Field(True, description="end the response when </answer> is generated")
-    max_tool_output_chars: int = Field(2048, ge=16, description="longer outputs keep head and tail")
-    result_template: str | None = Field(
-        None,
-        description="text appended after a tool call; {output} is replaced. Default per format: "
-        f"code {CODE_RESULT_TEMPLATE!r}, hermes {HERMES_RESULT_TEMPLATE!r}",
-    )
     tool_session: Literal["stateless", "persistent"] = Field("stateless", description=(
         "stateless: each tool call runs alone (the ReTool recipe); persistent: one live sandbox "
         "session per trajectory (opened at its first tool call, closed when it ends), so later "
@@ -46,22 +35,6 @@ class AgentConfig(StrictModel):
     reward_retries: int = Field(2, ge=0)
     reward_timeout_s: float = Field(60.0, gt=0)
     include_text: bool = Field(True, description="put the decoded response text in each trajectory")
-
-    @model_validator(mode="after")
-    def _template(self) -> AgentConfig:
-        if self.result_template is not None and "{output}" not in self.result_template:
-            raise ValueError("result_template must contain '{output}'")
-        return self
-
-    @property
-    def tool_stop(self) -> str:
-        return "</code>" if self.tool_format == "code" else "</tool_call>"
-
-    @property
-    def template(self) -> str:
-        if self.result_template is not None:
-            return self.result_template
-        return CODE_RESULT_TEMPLATE if self.tool_format == "code" else HERMES_RESULT_TEMPLATE
 
 
 class RedisWorkerConfig(StrictModel):

@@ -103,7 +103,7 @@ def push_weights(
         raise ConfigError(f"token: set the env var {token_env!r} or pass --token-file")
     import grpc
 
-    from services.rollout.weights.client import WeightPushError, push_checkpoint
+    from services.transport.weights.client import WeightPushError, push_checkpoint
 
     try:
         report = push_checkpoint(str(checkpoint), list(targets), token, version)

@@ -114,7 +114,7 @@ def create_app(
     )
     reward_client = None
     if scorer is None and cfg.reward_url:
-        from services.reward.client import RewardClient
+        from services.transport.reward.client import RewardClient
 
         reward_client = RewardClient(cfg.reward_url, timeout_s=cfg.agent.reward_timeout_s)
         scorer = reward_client

@@ -355,9 +355,9 @@ class Trainer:
         """``val_n`` samples per validation prompt through the rollout fleet (reference metric names)."""
         if not self.cfg.val_dataset or self.rank != 0:
             return {}
-        from services.rollout.http_client import rollout_groups
         from services.trainer.algo.validation_metrics import compute_validation_metrics, val_samples
         from services.trainer.discovery import resolve
+        from services.transport.rollout.client import rollout_groups
 
         rollout_urls = resolve(self.cfg.rollout_urls)  # dns: entries -> one URL per replica
         if not rollout_urls:

@@ -13,7 +13,7 @@ Invariants:
   holds bit for bit the full push of the same version. When a delta saves little (dense changes,
   e.g. fp32 serving), the next ``AUTO_FULL_PUSHES`` pushes are full without computing one;
 - ``transport="shm"`` (replicas on this machine, same uid) writes the weights into each replica's
-  free shared-memory segment and commits over gRPC (services/rollout/weights/shm.py);
+  free shared-memory segment and commits over gRPC (services/transport/weights/shm.py);
 - a replica applies a push only once all of it arrived (atomic per replica), so a failed
   attempt is retried whole, up to ``attempts`` times: replicas that acknowledged this version
   already are skipped; every failed attempt is counted (``trainer_weight_push_failures_total``);
@@ -43,9 +43,9 @@ from services.trainer.discovery import DiscoveryError, resolve
 from services.trainer.observability import note_push_failure
 
 if TYPE_CHECKING:
-    from services.rollout.weights.bucketing import PushKind
-    from services.rollout.weights.client import PushReport
-    from services.rollout.weights.delta import DeltaEncoder, EncodedDelta
+    from services.transport.weights.bucketing import PushKind
+    from services.transport.weights.client import PushReport
+    from services.transport.weights.delta import DeltaEncoder, EncodedDelta
 
 log = get_logger("trainer.push")
 
@@ -101,7 +101,7 @@ class WeightPusher:
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Push ``weights`` (trainer names; an ``lm.`` prefix is dropped) to every resolved replica."""
-        from services.rollout.weights.client import WeightPushError
+        from services.transport.weights.client import WeightPushError
 
         start = time.perf_counter()
         deadline = time.monotonic() + self.wait_s if self.wait_s is not None else None
@@ -154,7 +154,7 @@ class WeightPusher:
 
     async def _serving_dtypes(self, targets: list[str], timeout_s: float | None) -> dict[str, str]:
         """Ask the targets not seen yet for their serving dtype; returns those that did not answer."""
-        from services.rollout.weights.client import get_replica_state
+        from services.transport.weights.client import get_replica_state
 
         unknown = [t for t in targets if t not in self._dtypes]
         wait = min(10.0, timeout_s) if timeout_s is not None else 10.0
@@ -167,7 +167,7 @@ class WeightPusher:
         return failed
 
     def _dtype(self, targets: list[str], master: torch.dtype) -> torch.dtype:
-        from services.rollout.weights.bucketing import DTYPES
+        from services.transport.weights.bucketing import DTYPES
 
         if self.dtype != "auto":
             return DTYPES[self.dtype]
@@ -177,8 +177,8 @@ class WeightPusher:
     async def _push_grpc(self, named: list[tuple[str, torch.Tensor]], targets: list[str], version: int,
                          timeout_s: float | None) -> tuple[dict[str, float], dict[str, str]]:
         """One attempt: the metrics and, by target, what failed (those targets did not take it)."""
-        from services.rollout.weights.bucketing import PushKind
-        from services.rollout.weights.delta import DeltaEncoder
+        from services.transport.weights.bucketing import PushKind
+        from services.transport.weights.delta import DeltaEncoder
 
         start = time.perf_counter()
         unanswered = await self._serving_dtypes(targets, timeout_s)
@@ -238,8 +238,8 @@ class WeightPusher:
                       out: _Outcome, timeout_s: float | None) -> list[str]:
         """The delta to each target on its own (one stale replica must not cancel the others);
         returns the targets that refused it as stale (they get a full push); failures go to ``out``."""
-        from services.rollout.weights.bucketing import PushKind
-        from services.rollout.weights.client import WeightPushError, is_stale_base, push_state_dict_async
+        from services.transport.weights.bucketing import PushKind
+        from services.transport.weights.client import WeightPushError, is_stale_base, push_state_dict_async
 
         assert self.encoder is not None
         kind = PushKind(delta=True, base_version=delta.base_version, lineage=self.encoder.lineage)
@@ -269,7 +269,7 @@ class WeightPusher:
         """One fan-out full push: the encoder's weights to replicas of its dtype, a cast of the master
         weights (no lineage) to any other. Targets that fail go to ``out.errors``; those that answered
         "ok" before a failure cancelled the rest took the version."""
-        from services.rollout.weights.client import WeightPushError, push_state_dict_async
+        from services.transport.weights.client import WeightPushError, push_state_dict_async
 
         assert self.encoder is not None
         name = str(dtype).removeprefix("torch.")
@@ -346,7 +346,7 @@ async def _push_shm(
     named: list[tuple[str, torch.Tensor]], targets: list[str], version: int, token: str
 ) -> tuple[float, float]:
     """Every replica through its shared memory, concurrently; (seconds, GB/s of one replica's bytes)."""
-    from services.rollout.weights.client import WeightPushError, push_state_dict_shm_async
+    from services.transport.weights.client import WeightPushError, push_state_dict_shm_async
 
     start = time.perf_counter()
     outcomes = await asyncio.gather(

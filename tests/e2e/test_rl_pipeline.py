@@ -25,7 +25,7 @@ import yaml
 from services.common.process import ServiceProcess, free_port
 from services.data.aime import prepare_aime
 from services.data.dapo import prepare_dapo
-from services.rollout.weights.client import get_version
+from services.transport.weights.client import get_version
 from tests.helpers import agent_fixtures
 from tests.helpers.datasets import dapo_row, write_aime_2025, write_dapo
 from tests.helpers.redis_server import RedisServer

@@ -25,7 +25,7 @@ import pytest
 
 from services.common.process import ServiceProcess, free_port
 from services.common.schemas import Group
-from services.rollout.weights.client import get_version
+from services.transport.weights.client import get_version
 from tests.e2e.test_rl_pipeline import TOKEN, _config, _steps, _trainer
 from tests.helpers import agent_fixtures
 from tests.helpers.engines import VLLM_TEST_KWARGS, load_reference

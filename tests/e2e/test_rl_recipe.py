@@ -28,7 +28,7 @@ import yaml
 
 from services.common.process import ServiceProcess, free_port
 from services.demo.task import rl_rows, write_parquet
-from services.rollout.weights.client import get_version
+from services.transport.weights.client import get_version
 from tests.helpers import agent_fixtures
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.scripted_model import branching_model_dir

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from services.rollout.config import CODE_RESULT_TEMPLATE
+from services.chat.format import CODE_RESULT_TEMPLATE
 
 
 def scripted_model_dir(out: Path, code: str, base_seed: int = 0, scale: float = 4.0) -> Path:

@@ -154,7 +154,7 @@ def test_cli_grade_prints_json():
 
 
 async def test_python_client_round_trip(reward_url):
-    from services.reward.client import RewardClient
+    from services.transport.reward.client import RewardClient
 
     client = RewardClient(reward_url)
     try:
@@ -209,7 +209,7 @@ def tiny_queue_url(tmp_path_factory):
 
 
 async def test_overload_is_a_503_with_retry_after_and_the_client_waits_it_out(tiny_queue_url):
-    from services.reward.client import RewardClient
+    from services.transport.reward.client import RewardClient
 
     hang = {"response": "\\boxed{10^{10^{10^{10}}}}", "ground_truth": "3x"}  # 1 CPU second of work
     symbolic = [{"response": f"\\boxed{{x^2+{k}x}}", "ground_truth": f"x(x+{k})"} for k in range(1, 4)]

@@ -25,8 +25,8 @@ import pytest
 import uvicorn
 from openai import AsyncOpenAI, OpenAI
 
+from services.chat.format import hermes_tool_schema
 from services.common.process import ServiceProcess, free_port
-from services.rollout.agent.loop import hermes_tool_schema
 from services.rollout.agent.sandbox import SandboxClient
 from services.rollout.config import RolloutConfig
 from services.rollout.openai_api.render import chat_tool_result_template
@@ -70,7 +70,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, sandbox_url: str) -> Iterat
             "--grpc-port", str(grpc_port), "--weight-token-env", "OPENAI_TEST_TOKEN"]
     with ServiceProcess(args, env={"OPENAI_TEST_TOKEN": TOKEN}, log_path=work / "rollout.log",
                         startup_timeout_s=120) as proc:
-        from services.rollout.weights.client import push_checkpoint
+        from services.transport.weights.client import push_checkpoint
 
         push_checkpoint(str(model_dir), [f"127.0.0.1:{grpc_port}"], TOKEN, VERSION)
         client = OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -17,11 +17,11 @@ import pytest
 from services.common.process import free_port
 from services.common.queue import RedisStream, connect
 from services.common.schemas import ChatMessage, Group, PromptJob
-from services.reward.client import RewardClient
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.agent.sandbox import SandboxClient
 from services.rollout.config import AgentConfig, RedisWorkerConfig
 from services.rollout.worker import RolloutWorker
+from services.transport.reward.client import RewardClient
 from tests.helpers import agent_fixtures
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
 

@@ -8,9 +8,9 @@ import torch
 
 from services.common.metrics import MetricsRegistry
 from services.common.process import free_port
-from services.rollout.weights.client import WeightPushError
 from services.trainer.observability import TrainerExporter
 from services.trainer.push import push_weights
+from services.transport.weights.client import WeightPushError
 
 pytestmark = pytest.mark.integration
 

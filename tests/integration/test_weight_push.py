@@ -22,15 +22,16 @@ from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
 from services.rollout.engine.base import SamplingParams, collect
 from services.rollout.engine.hf import HFEngine
-from services.rollout.weights.bucketing import iter_chunks
-from services.rollout.weights.client import (
+from services.rollout.weights.server import start_weight_server
+from services.transport.weights.auth import TOKEN_METADATA_KEY
+from services.transport.weights.bucketing import iter_chunks
+from services.transport.weights.client import (
     WeightPushError,
     get_version,
     iter_checkpoint,
     push_checkpoint_async,
     push_state_dict_async,
 )
-from services.rollout.weights.server import TOKEN_METADATA_KEY, start_weight_server
 from tests.helpers.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.integration

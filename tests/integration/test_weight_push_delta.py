@@ -17,15 +17,15 @@ import torch
 from services.common.metrics import MetricsRegistry
 from services.proto_gen import retool_pb2 as pb
 from services.rollout.engine.hf import HFEngine
-from services.rollout.weights.bucketing import PushKind, WireTensor
-from services.rollout.weights.client import (
+from services.rollout.weights.server import start_weight_server
+from services.trainer.push import WeightPusher
+from services.transport.weights.bucketing import PushKind, WireTensor
+from services.transport.weights.client import (
     WeightPushError,
     get_replica_state,
     is_stale_base,
     push_state_dict_async,
 )
-from services.rollout.weights.server import start_weight_server
-from services.trainer.push import WeightPusher
 from tests.helpers.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.integration

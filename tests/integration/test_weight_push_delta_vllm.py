@@ -29,9 +29,9 @@ import torch
 
 from services.common.metrics import MetricsRegistry
 from services.rollout.engine.base import SamplingParams, collect
-from services.rollout.weights.client import get_replica_state, push_state_dict_async
 from services.rollout.weights.server import WeightServer, start_weight_server
 from services.trainer.push import WeightPusher
+from services.transport.weights.client import get_replica_state, push_state_dict_async
 from tests.helpers.engines import VLLM_TEST_KWARGS
 from tests.helpers.tiny_model import tiny_model_dir
 

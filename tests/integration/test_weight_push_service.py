@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from services.common.process import ServiceProcess, free_port
-from services.rollout.weights.client import (
+from services.trainer.push import WeightPusher
+from services.transport.weights.client import (
     WeightPushError,
     get_version,
     iter_checkpoint,
     push_checkpoint,
     push_checkpoint_async,
 )
-from services.trainer.push import WeightPusher
 from tests.helpers.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.integration

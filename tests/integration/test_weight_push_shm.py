@@ -19,7 +19,9 @@ from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
 from services.rollout.engine.base import SamplingParams, collect
 from services.rollout.engine.hf import HFEngine
-from services.rollout.weights.client import (
+from services.rollout.weights.server import start_weight_server
+from services.transport.weights.auth import TOKEN_METADATA_KEY
+from services.transport.weights.client import (
     WeightPushError,
     close_shm_mappings,
     get_version,
@@ -27,8 +29,7 @@ from services.rollout.weights.client import (
     push_state_dict_async,
     push_state_dict_shm_async,
 )
-from services.rollout.weights.server import TOKEN_METADATA_KEY, start_weight_server
-from services.rollout.weights.shm import PREFIX, ShmMapping
+from services.transport.weights.shm import PREFIX, ShmMapping
 from tests.helpers.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.integration

@@ -196,7 +196,7 @@ class RecordingScorer:
         self, response: str, ground_truth: str, *, num_tool_calls: int = 0, data_source: str | None = None
     ) -> Any:
         self.calls.append((response, ground_truth, num_tool_calls))
-        from services.reward.schemas import ScoreResult
+        from services.transport.reward.schemas import ScoreResult
 
         return ScoreResult(score=1.0, correct=True, extracted="4", reason="stub")
 

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from services.rollout.agent.sandbox import format_run_result, truncate_middle
-from services.rollout.agent.toolcall import parse_code_call, parse_hermes_call
+from services.chat.format import truncate_middle
+from services.chat.toolcall import parse_code_call, parse_hermes_call
+from services.rollout.agent.sandbox import format_run_result
 
 
 def test_code_tag_plain_and_fenced() -> None:

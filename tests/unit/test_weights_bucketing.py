@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.proto_gen import retool_pb2 as pb
-from services.rollout.weights.bucketing import (
+from services.transport.weights.bucketing import (
     PushError,
     Stager,
     StagingPool,
@@ -14,7 +14,7 @@ from services.rollout.weights.bucketing import (
     iter_buckets,
     iter_chunks,
 )
-from services.rollout.weights.memory import keep_freed_buffers
+from services.transport.weights.memory import keep_freed_buffers
 
 KIB = 1 << 10
 

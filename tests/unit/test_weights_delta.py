@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.proto_gen import retool_pb2 as pb
-from services.rollout.weights import delta as delta_mod
-from services.rollout.weights.bucketing import PushError, PushKind, Stager, WireTensor, iter_chunks
-from services.rollout.weights.delta import DeltaEncoder, SparsePatch, decode_sparse
+from services.transport.weights import delta as delta_mod
+from services.transport.weights.bucketing import PushError, PushKind, Stager, WireTensor, iter_chunks
+from services.transport.weights.delta import DeltaEncoder, SparsePatch, decode_sparse
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -37,9 +37,10 @@ from typing import Any, Protocol
 
 import httpx
 
+from services.chat.format import build_prompt, tool_result_text
+from services.chat.toolcall import ToolCall, parse_code_call, parse_hermes_call
 from services.common.schemas import RolloutSampling, Trajectory
-from services.rollout.agent.sandbox import ToolResult, truncate_middle
-from services.rollout.agent.toolcall import ToolCall, parse_code_call, parse_hermes_call
+from services.rollout.agent.sandbox import ToolResult
 from services.rollout.config import AgentConfig
 from services.rollout.engine.base import Engine, SamplingParams
 
@@ -92,21 +93,6 @@ class RewardUnavailable(RuntimeError):
     """The reward service could not score a finished response (after retries)."""
 
 
-def hermes_tool_schema(name: str) -> dict[str, Any]:
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": "Run Python code and return its stdout and stderr.",
-            "parameters": {
-                "type": "object",
-                "properties": {"code": {"type": "string", "description": "Python source to execute"}},
-                "required": ["code"],
-            },
-        },
-    }
-
-
 @dataclass
 class _State:
     response_ids: list[int] = field(default_factory=list)
@@ -154,11 +140,7 @@ class AgentLoop:
 
     # -- prompt ---------------------------------------------------------------------------------
     def build_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
-        if self.cfg.tool_format == "hermes":
-            kwargs["tools"] = [hermes_tool_schema(self.cfg.tool_name)]
-        text = self.tokenizer.apply_chat_template(messages, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return build_prompt(self.tokenizer, messages, self.cfg)
 
     def _parse(self, turn_text: str) -> ToolCall:
         if self.cfg.tool_format == "code":
@@ -248,12 +230,8 @@ class AgentLoop:
                 out = await self._call_tool(turn_text, index, on_event, st)
                 if out.error:
                     st.tool_errors += 1
-                shown = truncate_middle(out.text, self.cfg.max_tool_output_chars)
-                ids = list(
-                    self.tokenizer.encode(
-                        self.cfg.template.replace("{output}", shown), add_special_tokens=False
-                    )
-                )
+                shown = tool_result_text(out.text, self.cfg)
+                ids = list(self.tokenizer.encode(shown, add_special_tokens=False))
                 room = budget - len(st.response_ids)
                 st.add_tool(ids[:room])
                 if len(ids) > room:

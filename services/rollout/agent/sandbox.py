@@ -28,17 +28,6 @@ class ToolResult:
     latency_s: float = 0.0
 
 
-def truncate_middle(text: str, max_chars: int) -> str:
-    """Keep the head and the tail of ``text`` so the result has at most ``max_chars`` characters."""
-    if len(text) <= max_chars:
-        return text
-    marker = f"\n...[{len(text)} chars, middle truncated]...\n"
-    keep = max(max_chars - len(marker), 2)
-    head = keep // 2
-    tail = keep - head
-    return text[:head] + marker + text[len(text) - tail :]
-
-
 def format_run_result(body: dict[str, Any], run_timeout_s: float) -> ToolResult:
     """SandboxFusion response -> what the model sees (stdout, then stderr, then the failure if any)."""
     status = body.get("status")

@@ -194,7 +194,7 @@ class HFEngine:
         """``adopt_weights`` plus in-place patches of the served tensors (a delta push).
 
         Each patch has ``name``, ``validate(tensor)`` (raises ValueError) and ``apply(tensor)``
-        (``services.rollout.weights.delta.SparsePatch``); all are validated before anything changes.
+        (``services.transport.weights.delta.SparsePatch``); all are validated before anything changes.
         """
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self._load_sync, named_tensors, version, True, list(patches))

@@ -24,8 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.chat.toolcall import parse_hermes_function
 from services.rollout.agent.loop import Tokenizer
-from services.rollout.agent.toolcall import parse_hermes_function
 from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams
 from services.rollout.openai_api.responses import (
     AssistantMessage,

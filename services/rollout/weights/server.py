@@ -48,7 +48,8 @@ from services.common.metrics import MetricsRegistry
 from services.proto_gen import retool_pb2 as pb
 from services.rollout.engine.base import Engine
 from services.rollout.engine.weight_spec import validate_push
-from services.rollout.weights.bucketing import (
+from services.transport.weights.auth import TOKEN_METADATA_KEY
+from services.transport.weights.bucketing import (
     GRPC_BULK_OPTIONS,
     PushError,
     Stager,
@@ -56,13 +57,12 @@ from services.rollout.weights.bucketing import (
     decode_chunk,
     dtype_name,
 )
-from services.rollout.weights.delta import SparsePatch, decode_sparse
-from services.rollout.weights.memory import keep_freed_buffers
-from services.rollout.weights.shm import SHM_DIR, ShmError, ShmSegments, boot_id
+from services.transport.weights.delta import SparsePatch, decode_sparse
+from services.transport.weights.memory import keep_freed_buffers
+from services.transport.weights.shm import SHM_DIR, ShmError, ShmSegments, boot_id
 
 log = get_logger("rollout.weights")
 
-TOKEN_METADATA_KEY = "x-retool-token"
 GRPC_OPTIONS = GRPC_BULK_OPTIONS
 
 

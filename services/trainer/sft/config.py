@@ -2,8 +2,9 @@
 
 Invariants: everything that can be checked before a process group or a model exists is checked
 when the model is built (ConfigError via load_config) or by ``validate_parallel(world_size)``;
-the tool-result template and tool-output truncation come from the rollout's ``AgentConfig`` so the
-trained layout is the one the rollout agent loop produces. Defaults are the reference ReTool SFT
+the tool-result template and tool-output truncation are a ``services.chat`` ``ChatFormat``, the part
+of the rollout's ``AgentConfig`` that decides tokens, so the trained layout is the one the rollout
+agent loop produces. Defaults are the reference ReTool SFT
 run (max length 16384, batch 32, micro-batch 4, lr 1e-5, weight decay 0.01, 6 epochs).
 """
 
@@ -13,8 +14,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.chat.format import ChatFormat
 from services.common.config import ConfigError, StrictModel
-from services.rollout.config import AgentConfig
 from services.trainer.config import FSDPConfig, TrainerConfig
 
 
@@ -53,7 +54,7 @@ class SFTCheckpointConfig(StrictModel):
 class SFTConfig(StrictModel):
     model_path: str | None = Field(None, description="Hugging Face model directory to start from")
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
-    agent: AgentConfig = Field(default_factory=AgentConfig, description="tool format + result template")
+    agent: ChatFormat = Field(default_factory=ChatFormat, description="tool format + result template")
     optim: SFTOptimConfig = Field(default_factory=SFTOptimConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     checkpoint: SFTCheckpointConfig = Field(default_factory=SFTCheckpointConfig)

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from services.chat.format import ChatFormat
 from services.common.config import ConfigError
 from services.data.io import iter_rows
-from services.rollout.config import AgentConfig
 from services.trainer.sft.config import SFTDataConfig
 from services.trainer.sft.render import Rendered, RenderError, render
 
@@ -68,7 +68,7 @@ def _iter_file(path: str) -> Any:
         yield from iter_rows(p)
 
 
-def load_samples(cfg: SFTDataConfig, tokenizer: Any, agent: AgentConfig) -> tuple[list[Rendered], DataReport]:
+def load_samples(cfg: SFTDataConfig, tokenizer: Any, agent: ChatFormat) -> tuple[list[Rendered], DataReport]:
     report = DataReport()
     out: list[Rendered] = []
     for path in cfg.train_files:

@@ -4,7 +4,7 @@ Invariants (``input_ids`` and ``loss_mask`` always have the same length; mask 1 
 the model itself must produce):
 - ``inline`` (default) is the rollout agent loop's layout for one response
   (services/rollout/agent/loop.py): prompt = the messages before the first assistant turn,
-  chat-templated with ``add_generation_prompt=True`` by ``AgentLoop.build_prompt`` (mask 0);
+  chat-templated with ``add_generation_prompt=True`` by ``services.chat.format.build_prompt`` (mask 0);
   then every assistant turn's text tokenized on its own (mask 1; hermes tool calls written as the
   ``<tool_call>{json}</tool_call>`` text the model generates), every tool turn as the agent's
   ``result_template`` around ``truncate_middle(output, max_tool_output_chars)`` tokenized on its
@@ -22,9 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.rollout.agent.loop import AgentLoop, hermes_tool_schema
-from services.rollout.agent.sandbox import truncate_middle
-from services.rollout.config import AgentConfig
+from services.chat.format import ChatFormat, build_prompt, hermes_tool_schema, tool_result_text
 
 Render = Literal["inline", "chat_template"]
 
@@ -77,16 +75,10 @@ def assistant_text(msg: dict[str, Any]) -> str:
     return text
 
 
-def tool_result_text(output: str, agent: AgentConfig) -> str:
-    """Exactly what the agent loop appends after a tool call with this output."""
-    return agent.template.replace("{output}", truncate_middle(output, agent.max_tool_output_chars))
-
-
-def render_inline(messages: list[dict[str, Any]], tokenizer: Any, agent: AgentConfig, *,
+def render_inline(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFormat, *,
                   append_eos: bool = True) -> Rendered:
     first = _split_prompt(messages)
-    loop = AgentLoop(engine=None, tokenizer=tokenizer, tools=None, cfg=agent)  # type: ignore[arg-type]
-    ids = loop.build_prompt(messages[:first])
+    ids = build_prompt(tokenizer, messages[:first], agent)
     mask = [0] * len(ids)
     last_role = None
     for m in messages[first:]:
@@ -116,7 +108,7 @@ def render_inline(messages: list[dict[str, Any]], tokenizer: Any, agent: AgentCo
     return Rendered(ids, mask)
 
 
-def render_chat_template(messages: list[dict[str, Any]], tokenizer: Any, agent: AgentConfig) -> Rendered:
+def render_chat_template(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFormat) -> Rendered:
     _split_prompt(messages)
     kwargs: dict[str, Any] = {"tokenize": False}
     if agent.tool_format == "hermes":
@@ -155,7 +147,7 @@ def render_chat_template(messages: list[dict[str, Any]], tokenizer: Any, agent: 
     return Rendered(ids, mask)
 
 
-def render(messages: list[dict[str, Any]], tokenizer: Any, agent: AgentConfig, mode: Render = "inline", *,
+def render(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFormat, mode: Render = "inline", *,
            append_eos: bool = True) -> Rendered:
     if mode == "inline":
         out = render_inline(messages, tokenizer, agent, append_eos=append_eos)

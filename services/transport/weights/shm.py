@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from services.proto_gen import retool_pb2 as pb
-from services.rollout.weights.bucketing import DTYPES, dtype_name
+from services.transport.weights.bucketing import DTYPES, dtype_name
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "retool-weights-"

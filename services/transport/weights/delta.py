@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from services.proto_gen import retool_pb2 as pb
-from services.rollout.weights.bucketing import PushError, WireTensor, dtype_name
+from services.transport.weights.bucketing import PushError, WireTensor, dtype_name
 
 INDEX_BYTES = 4  # uint32 element indices: a tensor of up to 2**32 elements
 MAX_SPARSE_ELEMENTS = 1 << 32

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from services.reward.schemas import ScoreResult
+from services.transport.reward.schemas import ScoreResult
 
 MAX_RETRY_AFTER_S = 30.0
 

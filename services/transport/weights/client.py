@@ -30,16 +30,16 @@ import torch
 
 from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
-from services.rollout.weights.bucketing import (
+from services.transport.weights.auth import TOKEN_METADATA_KEY
+from services.transport.weights.bucketing import (
     DEFAULT_BUCKET_BYTES,
     GRPC_BULK_OPTIONS,
     PushKind,
     WireTensor,
     iter_buckets,
 )
-from services.rollout.weights.memory import keep_freed_buffers
-from services.rollout.weights.server import TOKEN_METADATA_KEY
-from services.rollout.weights.shm import ShmError, ShmMapping, boot_id
+from services.transport.weights.memory import keep_freed_buffers
+from services.transport.weights.shm import ShmError, ShmMapping, boot_id
 
 CHANNEL_OPTIONS = GRPC_BULK_OPTIONS
 QUEUE_DEPTH = 4

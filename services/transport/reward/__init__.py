@@ -1,0 +1,1 @@
+"""The reward service's HTTP contract (``/score``, ``/score_batch``) and its async client."""
