@@ -18,7 +18,6 @@ At-least-once semantics:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -228,10 +227,3 @@ class RolloutWorker:
             replica=self.consumer,
             meta=job.meta,
         )
-
-
-async def stop_task(task: asyncio.Task[None] | None) -> None:
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task

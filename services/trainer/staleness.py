@@ -23,7 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -80,6 +80,3 @@ class StalenessManager:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.version = int(state["version"])
         self.admitted = int(state["admitted"])
-
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)

@@ -116,8 +116,11 @@ def test_structure_fast_path_agrees_with_the_symbolic_path():
 
 
 def test_integer_ground_truths_never_reach_the_symbolic_path():
-    for response, truth in (("Answer: 34", "34"), ("\\boxed{113}", "113"), ("Answer: 7", "-3")):
-        assert isinstance(fast_grade(response, truth), Verdict)
+    cases = (("Answer: 34", "34", True), ("\\boxed{113}", "113", True), ("Answer: 7", "-3", False),
+             ("\\boxed{\\frac{226}{2}}", "113", True), ("Answer: 0.5", "1", False))
+    for response, truth, correct in cases:
+        verdict = fast_grade(response, truth)
+        assert isinstance(verdict, Verdict) and verdict.correct is correct, (response, truth, verdict)
 
 
 def test_answer_length_cap_scales_with_a_long_ground_truth():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -14,7 +18,6 @@ from services.transport.weights.bucketing import (
     iter_buckets,
     iter_chunks,
 )
-from services.transport.weights.memory import keep_freed_buffers
 
 KIB = 1 << 10
 
@@ -156,8 +159,30 @@ def test_malformed_messages_are_push_errors():
         decode_chunk(b"\xff" * 12)
 
 
-def test_keep_freed_buffers_is_idempotent():
-    assert keep_freed_buffers() == keep_freed_buffers()
+_HEAP_PROBE = """
+import ctypes, sys
+from services.transport.weights.memory import keep_freed_buffers
+tuned = sys.argv[1] == "tuned"
+if tuned:
+    assert keep_freed_buffers() and keep_freed_buffers()  # a second call changes nothing
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+addr = libc.malloc(8 << 20)  # one message buffer
+heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split("-"))
+print(lo <= addr < hi)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="glibc's malloc tuning")
+@pytest.mark.parametrize("mode, on_heap", [("default", False), ("tuned", True)])
+def test_keep_freed_buffers_puts_message_buffers_on_the_heap(mode, on_heap):
+    # glibc's default mmap threshold (128 KiB) gives an 8 MiB buffer its own mapping (fresh pages,
+    # page faults every message); once tuned, the buffer comes from the reusable heap
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == str(on_heap), out.stderr
 
 
 def _stage_into(pool: StagingPool, t: torch.Tensor, version: int) -> torch.Tensor:

@@ -162,13 +162,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def push_state_dict(named_tensors: Iterable[tuple[str, torch.Tensor]], targets: list[str], version: int,
-                    token: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    timeout_s: float | None = None) -> PushReport:
-    """Synchronous ``push_state_dict_async`` (for code that is not inside an event loop)."""
-    return asyncio.run(push_state_dict_async(named_tensors, targets, version, token, bucket_bytes, timeout_s))
-
-
 _SHM_MAPPINGS: dict[str, ShmMapping] = {}  # target -> mapping of its current segments
 
 

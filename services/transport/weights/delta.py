@@ -105,10 +105,6 @@ class DeltaEncoder:
         """The weights of ``version`` in the serving dtype (what a full push sends)."""
         return list(self._shadow.items())
 
-    def reset(self) -> None:
-        self._shadow.clear()
-        self.version = None
-
     def update(self, named: Iterable[tuple[str, torch.Tensor]], version: int,
                compare: bool = True) -> EncodedDelta | None:
         """Make the shadow hold ``named`` (cast to ``dtype``) as ``version``; the changes against the
