@@ -10,6 +10,19 @@ from services.sandbox.launcher import SandboxProcess
 from tests.helpers.redis_server import RedisServer
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests need CUDA: on a machine without it they are skipped and say so (CPU CI also
+    deselects them with ``-m "not gpu"``)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="gpu: no CUDA device on this machine"))
+
+
 @pytest.fixture
 def redis_server(tmp_path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
