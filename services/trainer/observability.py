@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.common.metrics import MetricsRegistry
 
@@ -51,6 +53,10 @@ class TrainerExporter:
             "weight_push_failures_total", "Weight push attempts that failed (any replica)"
         )
         self.push_targets = r.gauge("weight_push_targets", "Rollout replicas the last push went to")
+        self.retries = r.counter(
+            "retries_total", "Retried calls to another service (services/common/retry.py)",
+            ("target", "reason"))
+        self.retries.labels("weights", "push_failed")  # the series exists (at 0) before the first retry
         self.dropped = r.counter(
             "dropped_groups_total", "Groups dropped before training, by reason", ("reason",)
         )
@@ -64,7 +70,7 @@ class TrainerExporter:
         for key in MISMATCH_KEYS:
             self._gauge(key).set(float("nan"))
         self._started = time.time()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: WSGIServer | None = None
         if port is not None:
             self._server = _serve(self, host, port)
         global _CURRENT
@@ -120,27 +126,33 @@ def note_push_failure() -> None:
         _CURRENT.push_failures.inc()
 
 
-def _serve(exporter: TrainerExporter, host: str, port: int) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server API
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body, ctype, code = exporter.registry.render(), CONTENT_TYPE_LATEST, 200
-            elif path == "/healthz":
-                body, ctype, code = json.dumps(exporter.health()).encode(), "application/json", 200
-            else:
-                body, ctype, code = b"not found: use /metrics or /healthz\n", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+def retries_counter() -> Any:
+    """This process's retry counter (labels ``target, reason``); None where no exporter runs."""
+    return _CURRENT.retries if _CURRENT is not None else None
 
-        def log_message(self, *args: Any) -> None:  # scrapes every few seconds: keep logs quiet
-            pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes every few seconds: no access log
+        pass
+
+
+def _serve(exporter: TrainerExporter, host: str, port: int) -> WSGIServer:
+    """prometheus-client's own exposition (``make_wsgi_app``: gzip, OpenMetrics negotiation,
+    ``name[]`` filters) on its threading WSGI server, with ``/healthz`` routed in front of it."""
+    metrics_app = make_wsgi_app(exporter.registry.registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics_app(environ, start_response)
+        if path == "/healthz":
+            status, ctype, body = "200 OK", "application/json", json.dumps(exporter.health()).encode()
+        else:
+            status, ctype, body = "404 Not Found", "text/plain", b"not found: use /metrics or /healthz\n"
+        start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(body)))])
+        return [body]
+
+    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="trainer-metrics", daemon=True).start()
     return server
 
