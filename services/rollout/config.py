@@ -29,11 +29,14 @@ class AgentConfig(ChatFormat):
         "calls see earlier calls' variables"))
     sandbox_run_timeout_s: float = Field(10.0, gt=0, description="run_timeout sent to /run_code")
     sandbox_memory_mb: int = Field(1024, ge=16)
-    sandbox_request_timeout_s: float = Field(60.0, gt=0, description="HTTP timeout of one /run_code call")
+    sandbox_request_timeout_s: float = Field(60.0, gt=0, description=(
+        "time budget of one tool call (/run_code or /sessions), retries and their pauses included"))
     sandbox_retries: int = Field(2, ge=0, description="retries on connection errors, 429 and 5xx")
-    sandbox_retry_backoff_s: float = Field(0.2, ge=0)
-    reward_retries: int = Field(2, ge=0)
-    reward_timeout_s: float = Field(60.0, gt=0)
+    sandbox_retry_backoff_s: float = Field(0.2, ge=0, description=(
+        "first pause between retries (doubling, plus jitter; a Retry-After answer sets it)"))
+    reward_timeout_s: float = Field(60.0, gt=0, description=(
+        "time budget of one grade: connection errors, 429 and 5xx (503 overload: after its "
+        "Retry-After) are retried until it is spent"))
     include_text: bool = Field(True, description="put the decoded response text in each trajectory")
 
 

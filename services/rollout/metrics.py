@@ -37,6 +37,11 @@ class RolloutMetrics(AgentObserver):
             "worker_jobs", "Redis prompt jobs handled since start, by outcome (monotonic)", ("outcome",)
         )
         self.worker_in_flight = r.gauge("worker_jobs_in_flight", "Redis prompt jobs being rolled out")
+        self.retries = r.counter(
+            "retries_total", "Retried calls to another service (services/common/retry.py)",
+            ("target", "reason"))
+        for target in ("sandbox", "reward"):  # the series exist (at 0) before the first retry
+            self.retries.labels(target, "connect")
 
     # AgentObserver
     def tokens_generated(self, n: int) -> None:

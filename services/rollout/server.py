@@ -111,12 +111,14 @@ def create_app(
         request_timeout_s=cfg.agent.sandbox_request_timeout_s,
         retries=cfg.agent.sandbox_retries,
         backoff_s=cfg.agent.sandbox_retry_backoff_s,
+        retries_counter=metrics.retries,
     )
     reward_client = None
     if scorer is None and cfg.reward_url:
         from services.transport.reward.client import RewardClient
 
-        reward_client = RewardClient(cfg.reward_url, timeout_s=cfg.agent.reward_timeout_s)
+        reward_client = RewardClient(cfg.reward_url, timeout_s=cfg.agent.reward_timeout_s,
+                                     retries_counter=metrics.retries)
         scorer = reward_client
     agent = AgentLoop(timed, tokenizer, sandbox, cfg.agent, scorer=scorer, observer=metrics)
     state: dict[str, Any] = {"in_flight": 0, "worker": None}

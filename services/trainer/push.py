@@ -15,14 +15,18 @@ Invariants:
 - ``transport="shm"`` (replicas on this machine, same uid) writes the weights into each replica's
   free shared-memory segment and commits over gRPC (services/transport/weights/shm.py);
 - a replica applies a push only once all of it arrived (atomic per replica), so a failed
-  attempt is retried whole, up to ``attempts`` times: replicas that acknowledged this version
-  already are skipped; every failed attempt is counted (``trainer_weight_push_failures_total``);
+  attempt is retried whole under the shared policy (``services/common/retry.py``: up to
+  ``attempts`` attempts, jittered exponential pauses from ``backoff_s``): replicas that
+  acknowledged this version already are skipped; an attempt refused by every failing replica for
+  a reason another attempt cannot change (UNAUTHENTICATED, INVALID_ARGUMENT, ...) is not retried;
+  every failed attempt is counted (``trainer_weight_push_failures_total``) and every retry too
+  (``trainer_retries_total{target="weights"}``);
 - ``wait_s=None``: the last failure is raised (the step fails, the trainer exits and resumes from
-  its last checkpoint). ``wait_s`` set: every RPC of a push has the time left of ``wait_s`` as
-  its deadline and retries stop when it is spent; the replicas still failing then are *skipped*
-  (``weights/push_unreachable``, a warning) as long as at least one replica took the version, and
-  they get a full push at a later push (their acknowledgement is forgotten). If no replica took
-  it, the failure is raised;
+  its last checkpoint). ``wait_s`` set: it is the deadline of the whole push, every RPC of a push
+  has the time left of it as its deadline and retries stop when it is spent; the replicas still
+  failing then are *skipped* (``weights/push_unreachable``, a warning) as long as at least one
+  replica took the version, and they get a full push at a later push (their acknowledgement is
+  forgotten). If no replica took it, the failure is raised;
 - per push it reports bytes on the wire, the full-push bytes, density, encode / wire / load
   seconds and how many replicas got a delta or a full push (``weights/push_*`` metrics).
 """
@@ -34,13 +38,14 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from services.common.logging import get_logger
+from services.common.retry import RetryPolicy, retry_call, transient_reason
 from services.trainer.discovery import DiscoveryError, resolve
-from services.trainer.observability import note_push_failure
+from services.trainer.observability import note_push_failure, retries_counter
 
 if TYPE_CHECKING:
     from services.transport.weights.bucketing import PushKind
@@ -66,6 +71,7 @@ class _Outcome:
     wire_seconds: float = 0.0
     load_seconds: float = 0.0
     errors: dict[str, str] = field(default_factory=dict)
+    causes: dict[str, BaseException] = field(default_factory=dict)  # target -> what it failed with
 
     def add(self, report: PushReport, targets: list[str], delta: bool) -> None:
         replies = report.replies
@@ -91,8 +97,11 @@ class WeightPusher:
             raise ValueError(f"wait_s: must be > 0 (or None), got {wait_s}")
         self.entries, self.token, self.bucket_bytes = entries, token, bucket_bytes
         self.transport, self.delta_mode, self.dtype = transport, delta, dtype
-        self.attempts, self.backoff_s, self.encode_threads = attempts, backoff_s, encode_threads
-        self.wait_s = wait_s
+        self.encode_threads, self.wait_s = encode_threads, wait_s
+        # one budget per push: ``attempts`` whole attempts within ``wait_s`` (pauses included); every
+        # RPC of an attempt gets the time left as its deadline
+        self.policy = RetryPolicy(attempts=attempts, deadline_s=wait_s, base_s=backoff_s,
+                                  max_s=max(backoff_s, 30.0))
         self.encoder: DeltaEncoder | None = None  # the shadow, in the serving dtype
         self._acked: dict[str, tuple[str, int]] = {}  # target -> (lineage, version) it acknowledged
         self._dtypes: dict[str, str] = {}  # target -> serving dtype it reported
@@ -104,39 +113,42 @@ class WeightPusher:
         from services.transport.weights.client import WeightPushError
 
         start = time.perf_counter()
-        deadline = time.monotonic() + self.wait_s if self.wait_s is not None else None
-        last: Exception | None = None
-        total: dict[str, float] = {}  # the metrics of every attempt of this push
         named = [(k.removeprefix("lm."), v) for k, v in weights.items()]
-        for attempt in range(1, self.attempts + 1):
-            metrics: dict[str, float] | None = None
-            targets: list[str] = []
-            errors: dict[str, str] = {}  # target -> what failed in this attempt
+        total: dict[str, float] = {}  # the metrics of every attempt of this push
+        last: dict[str, Any] = {"metrics": None, "targets": [], "errors": {}}  # of the latest attempt
+        attempt_no = 0
+
+        async def attempt(timeout: float | None) -> dict[str, float]:
+            nonlocal total, attempt_no
+            attempt_no += 1
+            last.update(metrics=None, targets=[], errors={})
             try:
-                targets = resolve(self.entries)
+                targets = last["targets"] = resolve(self.entries)
                 if self.transport == "shm":
                     seconds, gbps = await _push_shm(named, targets, version, self.token)
                     self._acked.clear()  # a commit clears the replicas' lineage
                     return {"weights/push_seconds": seconds, "weights/push_gbps": gbps,
                             "weights/push_targets": float(len(targets))}
-                timeout = max(0.001, deadline - time.monotonic()) if deadline is not None else None
-                metrics, errors = await self._push_grpc(named, targets, version, timeout)
-                metrics = total = _merged(total, metrics)
+                metrics, errors, causes = await self._push_grpc(named, targets, version, timeout)
+                last.update(metrics=_merged(total, metrics), errors=errors)
+                total = last["metrics"]
                 if not errors:
-                    metrics["weights/push_seconds"] = time.perf_counter() - start
-                    return metrics
-                last = WeightPushError(f"weight push of version {version} failed: {json.dumps(errors)}",
-                                       errors)
+                    total["weights/push_seconds"] = time.perf_counter() - start
+                    return total
+                raise WeightPushError(f"weight push of version {version} failed: {json.dumps(errors)}",
+                                      errors, causes)
             except (WeightPushError, DiscoveryError, OSError) as exc:
-                last = exc
-            note_push_failure()
-            log.warning("weight push failed", extra={"version": version, "attempt": attempt,
-                                                     "of": self.attempts, "error": str(last)[:1000]})
-            pause = self.backoff_s * attempt
-            out_of_time = deadline is not None and time.monotonic() + pause >= deadline
-            if attempt < self.attempts and not out_of_time:
-                await asyncio.sleep(pause)
-                continue
+                note_push_failure()
+                log.warning("weight push failed", extra={
+                    "version": version, "attempt": attempt_no, "of": self.policy.attempts,
+                    "error": str(exc)[:1000]})
+                raise
+
+        try:
+            return await retry_call(attempt, self.policy, target="weights", counter=retries_counter(),
+                                    classify=_push_reason)
+        except (WeightPushError, DiscoveryError, OSError) as exc:
+            metrics, targets, errors = last["metrics"], last["targets"], last["errors"]
             if self.wait_s is not None and metrics is not None:
                 unreachable = [t for t in targets if t in errors]
                 if len(unreachable) < len(targets):  # some replica took this version
@@ -144,23 +156,20 @@ class WeightPusher:
                         self._acked.pop(t, None)
                     log.warning("weight push: replicas skipped (unreachable within weight_push_wait_s)",
                                 extra={"version": version, "skipped": unreachable, "wait_s": self.wait_s,
-                                       "error": str(last)[:1000]})
+                                       "error": str(exc)[:1000]})
                     metrics["weights/push_unreachable"] = float(len(unreachable))
                     metrics["weights/push_seconds"] = time.perf_counter() - start
                     return metrics
-            break
-        assert last is not None
-        raise last
+            raise
 
-    async def _serving_dtypes(self, targets: list[str], timeout_s: float | None) -> dict[str, str]:
+    async def _serving_dtypes(self, targets: list[str], timeout_s: float | None) -> dict[str, BaseException]:
         """Ask the targets not seen yet for their serving dtype; returns those that did not answer."""
         from services.transport.weights.client import get_replica_state
 
         unknown = [t for t in targets if t not in self._dtypes]
         wait = min(10.0, timeout_s) if timeout_s is not None else 10.0
         states = await asyncio.gather(*(get_replica_state(t, wait) for t in unknown), return_exceptions=True)
-        failed = {t: f"GetVersion: {str(s)[:300]}" for t, s in zip(unknown, states, strict=True)
-                  if isinstance(s, BaseException)}
+        failed = {t: s for t, s in zip(unknown, states, strict=True) if isinstance(s, BaseException)}
         for t, s in zip(unknown, states, strict=True):
             if not isinstance(s, BaseException):
                 self._dtypes[t] = s.serving_dtype or ""
@@ -175,8 +184,10 @@ class WeightPusher:
         return DTYPES[max(set(reported), key=reported.count)] if reported else master
 
     async def _push_grpc(self, named: list[tuple[str, torch.Tensor]], targets: list[str], version: int,
-                         timeout_s: float | None) -> tuple[dict[str, float], dict[str, str]]:
-        """One attempt: the metrics and, by target, what failed (those targets did not take it)."""
+                         timeout_s: float | None
+                         ) -> tuple[dict[str, float], dict[str, str], dict[str, BaseException]]:
+        """One attempt: the metrics and, by target, what failed (those targets did not take it) and
+        the exception it failed with."""
         from services.transport.weights.bucketing import PushKind
         from services.transport.weights.delta import DeltaEncoder
 
@@ -210,7 +221,8 @@ class WeightPusher:
         base = (enc.lineage, delta.base_version) if delta is not None else None
         delta_targets = [t for t in same_dtype if base and t not in current and self._acked.get(t) == base]
         full_targets = [t for t in targets if t not in current and t not in delta_targets]
-        out = _Outcome(skipped=len(current), errors=dict(unanswered))
+        out = _Outcome(skipped=len(current), causes=dict(unanswered),
+                       errors={t: f"GetVersion: {str(e)[:300]}" for t, e in unanswered.items()})
         if delta is not None and delta_targets:
             full_targets += await self._deltas(delta, delta_targets, version, out, timeout_s)
         if full_targets:
@@ -232,7 +244,7 @@ class WeightPusher:
             "weights/push_wire_seconds": out.wire_seconds,
             "weights/push_load_seconds": out.load_seconds,
             "weights/push_unreachable": 0.0,
-        }, out.errors
+        }, out.errors, out.causes
 
     async def _deltas(self, delta: EncodedDelta, targets: list[str], version: int,
                       out: _Outcome, timeout_s: float | None) -> list[str]:
@@ -258,6 +270,7 @@ class WeightPusher:
             elif isinstance(r, BaseException):
                 self._acked.pop(t, None)
                 out.errors[t] = f"delta: {str(r)[:300]}"
+                out.causes[t] = r.errors.get(t, r) if isinstance(r, WeightPushError) else r
             else:
                 out.add(r, [t], delta=True)
                 self._acked[t] = (self.encoder.lineage, version)
@@ -292,6 +305,7 @@ class WeightPusher:
             except WeightPushError as exc:
                 took = [t for t in group if exc.results.get(t) == "ok"]
                 out.errors.update({t: f"full: {r}" for t, r in exc.results.items() if r != "ok"})
+                out.causes.update({t: exc.errors.get(t, exc) for t, r in exc.results.items() if r != "ok"})
                 out.full_targets += len(took)
             else:
                 out.add(report, group, delta=False)
@@ -302,6 +316,28 @@ class WeightPusher:
     def close(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
+
+
+# a push refused for one of these on every failing replica is not retried: another attempt would
+# send the same token and the same tensors
+_FINAL_GRPC = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "UNIMPLEMENTED"})
+
+
+def _push_reason(exc: BaseException) -> str | None:
+    """Retry reason of a failed push attempt (``retry_call``'s ``classify``); None: final."""
+    from services.transport.weights.client import WeightPushError
+
+    if isinstance(exc, DiscoveryError):
+        return "discovery"
+    if isinstance(exc, WeightPushError):
+        causes = list(exc.errors.values())
+        codes = [getattr(c.code(), "name", "") if callable(getattr(c, "code", None)) else "" for c in causes]
+        if causes and all(code in _FINAL_GRPC for code in codes):
+            return None
+        return next((r for c in causes if (r := transient_reason(c))), "push_failed")
+    if isinstance(exc, OSError):
+        return "os_error"
+    return transient_reason(exc)
 
 
 _SUMMED = ("weights/push_delta_targets", "weights/push_full_targets", "weights/push_fallbacks",

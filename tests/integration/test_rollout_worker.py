@@ -44,8 +44,8 @@ PROMPTS, GROUPS = "t:prompts", "t:groups"
 def _worker(redis_client: Any, sandbox_url: str, reward: str, **cfg: Any) -> tuple[RolloutWorker, list[Any]]:
     engine = ScriptedEngine(TOK, {k: list(v) for k, v in SCRIPTS.items()}, version=5)
     sandbox = SandboxClient(sandbox_url)
-    scorer = RewardClient(reward)
-    agent = AgentLoop(engine, TOK, sandbox, AgentConfig(reward_retries=0), scorer=scorer)
+    scorer = RewardClient(reward, timeout_s=5.0)  # an outage is retried for 5 s, then the job fails
+    agent = AgentLoop(engine, TOK, sandbox, AgentConfig(), scorer=scorer)
     wcfg = RedisWorkerConfig(
         url="unused",
         prompts_stream=PROMPTS,

@@ -61,6 +61,12 @@ def test_fixed_series_exist_before_the_first_step_and_steps_update_them(exporter
     health = httpx.get(f"{base}/healthz")
     assert health.status_code == 200 and health.json()["step"] == 4
     assert httpx.get(f"{base}/nope").status_code == 404
+    # prometheus-client's exposition: gzip when asked, OpenMetrics when asked
+    gz = httpx.get(f"{base}/metrics", headers={"Accept-Encoding": "gzip"})
+    assert gz.headers["Content-Encoding"] == "gzip" and _sample(gz.text, "trainer_step") == 4
+    om = httpx.get(f"{base}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert om.text.endswith("# EOF\n")
 
 
 async def test_failed_push_attempts_are_counted_then_raised(exporter):
@@ -70,3 +76,28 @@ async def test_failed_push_attempts_are_counted_then_raised(exporter):
         await push_weights(weights, [dead], 1, "tok", bucket_bytes=2**20, attempts=2, backoff_s=0)
     text = httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
     assert _sample(text, "trainer_weight_push_failures_total") == 2
+    assert _sample(text, 'trainer_retries_total{reason="grpc_unavailable",target="weights"}') == 1
+
+
+async def test_a_push_refused_for_its_token_is_not_retried(exporter, tmp_path_factory):
+    from services.rollout.engine.hf import HFEngine
+    from services.rollout.weights.server import start_weight_server
+    from services.transport.weights.client import iter_checkpoint
+    from tests.helpers.tiny_model import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path_factory, seed=0)
+    engine = HFEngine(model)
+    server = await start_weight_server(engine, "127.0.0.1", 0, "the-token")
+    try:
+        weights = dict(iter_checkpoint(model))
+        with pytest.raises(WeightPushError, match="UNAUTHENTICATED"):
+            await push_weights(weights, [f"127.0.0.1:{server.port}"], 1, "not-the-token", bucket_bytes=2**20,
+                               attempts=3, backoff_s=0)
+    finally:
+        await server.stop(None)
+        await engine.shutdown()
+    text = httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
+    # one attempt: another would send the same token
+    assert _sample(text, "trainer_weight_push_failures_total") == 1
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("trainer_retries_total{")) == 0

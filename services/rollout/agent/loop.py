@@ -310,22 +310,14 @@ class AgentLoop:
         )
 
     async def _score(self, text: str, ground_truth: str, num_tool_calls: int, data_source: str | None) -> Any:
+        """One grade; the scorer retries within its own budget (``RewardClient``), nobody above it."""
         assert self.scorer is not None
-        last: Exception | None = None
-        for attempt in range(self.cfg.reward_retries + 1):
-            if attempt:
-                await asyncio.sleep(0.2 * 2 ** (attempt - 1))
-            try:
-                return await self.scorer.score(
-                    text, ground_truth, num_tool_calls=num_tool_calls, data_source=data_source
-                )
-            except httpx.HTTPStatusError as exc:
-                last = exc
-                if exc.response.status_code < 500 and exc.response.status_code != 429:
-                    break
-            except httpx.HTTPError as exc:
-                last = exc
-        raise RewardUnavailable(f"reward service failed: {last}") from last
+        try:
+            return await self.scorer.score(
+                text, ground_truth, num_tool_calls=num_tool_calls, data_source=data_source
+            )
+        except httpx.HTTPError as exc:
+            raise RewardUnavailable(f"reward service failed: {type(exc).__name__}: {exc}") from exc
 
     # -- a group --------------------------------------------------------------------------------
     async def run_group(self, prompt_ids: list[int], n: int, **kwargs: Any) -> list[Trajectory]:

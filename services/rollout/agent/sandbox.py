@@ -1,9 +1,13 @@
 """Run tool code on the SandboxFusion-compatible sandbox and turn the result into interpreter text.
 
-Invariant: ``SandboxClient.run`` never raises for a sandbox problem (connection refused, 5xx,
-time-out, odd JSON); after bounded retries it returns a ``ToolResult`` with ``error=True`` and a
-text that says what went wrong (also when a session the call runs in has ended, and why). Output
-longer than the limit is cut in the middle.
+Invariants:
+- ``SandboxClient.run`` never raises for a sandbox problem (connection refused, 5xx, time-out, odd
+  JSON); after the shared retry policy (``services/common/retry.py``: connection errors, 429 and
+  5xx only, jittered pauses, at most ``retries + 1`` attempts within ``request_timeout_s`` for the
+  whole call) it returns a ``ToolResult`` with ``error=True`` and a text that says what went wrong
+  (also when a session the call runs in has ended, and why);
+- every retry is counted in ``retries_counter`` (``target="sandbox"``, by reason);
+- output longer than the limit is cut in the middle.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import httpx
 
-RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+from services.common.retry import RetryableStatus, RetryPolicy, check_status, retry_call
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,13 @@ class SessionUnavailable(RuntimeError):
     """No sandbox session could be opened (the sandbox is full or unreachable)."""
 
 
+def _describe(exc: BaseException) -> str:
+    """What the last attempt ran into, e.g. ``HTTP 504`` or ``ConnectError: ...``."""
+    if isinstance(exc, RetryableStatus):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def _detail(r: httpx.Response) -> str:
     try:
         return str(r.json().get("detail") or r.text[:200])
@@ -72,11 +83,15 @@ class SandboxClient:
         retries: int = 2,
         backoff_s: float = 0.2,
         max_connections: int = 256,
+        retries_counter: Any = None,
     ) -> None:
         self.run_timeout_s = run_timeout_s
         self.memory_mb = memory_mb
         self.retries = retries
-        self.backoff_s = backoff_s
+        # one budget per call: retries and their pauses included, never more than request_timeout_s
+        self.policy = RetryPolicy(attempts=retries + 1, deadline_s=request_timeout_s, base_s=backoff_s,
+                                  max_s=max(backoff_s, 5.0))
+        self.retries_counter = retries_counter
         self._client = httpx.AsyncClient(
             base_url=base_url,
             timeout=request_timeout_s,
@@ -103,24 +118,22 @@ class SandboxClient:
     async def open_session(self) -> str:
         """A live sandbox session (``POST /sessions``) on one replica, whose calls all go there;
         raises ``SessionUnavailable`` with the reason."""
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
+        async def attempt(timeout: float | None) -> httpx.Response:
             replica = await self._replica()
-            try:
-                r = await self._client.post(f"{replica}/sessions", json={"memory_limit_MB": self.memory_mb})
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                continue
+            r = check_status(await self._client.post(f"{replica}/sessions", timeout=timeout,
+                                                     json={"memory_limit_MB": self.memory_mb}))
             if r.status_code == 200:
-                session_id = str(r.json()["session_id"])
-                self._session_replica[session_id] = replica
-                return session_id
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
-            if r.status_code not in RETRY_STATUS:
-                break
-        raise SessionUnavailable(f"could not open a sandbox session ({last})")
+                self._session_replica[str(r.json()["session_id"])] = replica
+            return r
+
+        try:
+            r = await retry_call(attempt, self.policy, target="sandbox", counter=self.retries_counter)
+        except (httpx.HTTPError, RetryableStatus) as exc:
+            raise SessionUnavailable(f"could not open a sandbox session ({_describe(exc)})") from exc
+        if r.status_code != 200:
+            raise SessionUnavailable(
+                f"could not open a sandbox session (HTTP {r.status_code}: {r.text[:200]})")
+        return str(r.json()["session_id"])
 
     async def close_session(self, session_id: str) -> None:
         """End a session; never raises (an unreachable sandbox expires it by its TTL)."""
@@ -139,41 +152,35 @@ class SandboxClient:
         if session_id is not None:
             payload["session_id"] = session_id
         start = time.perf_counter()
-        last = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)))
-            try:
-                r = await self._client.post(f"{self._session_replica.get(session_id or '', '')}/run_code",
-                                            json=payload)
-            except httpx.HTTPError as exc:
-                last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                continue
-            if r.status_code in RETRY_STATUS:
-                last = f"HTTP {r.status_code}"
-                continue
-            if r.status_code in (404, 410) and session_id is not None:  # the session ended: say why
-                detail = _detail(r)
-                return ToolResult(f"Sandbox error: {detail}", True, time.perf_counter() - start)
-            if r.status_code != 200:
-                return ToolResult(
-                    f"Sandbox error: HTTP {r.status_code}: {r.text[:200]}", True, time.perf_counter() - start
-                )
-            try:
-                body = r.json()
-            except ValueError:
-                return ToolResult("Sandbox error: response is not JSON", True, time.perf_counter() - start)
-            body = body if isinstance(body, dict) else {}
-            res = format_run_result(body, self.run_timeout_s)
-            text = res.text
-            if session_id is not None and "ended:" in str(body.get("message") or ""):
-                text = "\n".join(p for p in (text, f"Sandbox error: {body['message']}") if p)
-            return ToolResult(text, res.error, time.perf_counter() - start)
-        return ToolResult(
-            f"Sandbox error: unavailable after {self.retries + 1} attempts ({last})",
-            True,
-            time.perf_counter() - start,
-        )
+        replica = self._session_replica.get(session_id or "", "")
+        attempts = 0
+
+        async def attempt(timeout: float | None) -> httpx.Response:
+            nonlocal attempts
+            attempts += 1
+            return check_status(await self._client.post(f"{replica}/run_code", json=payload, timeout=timeout))
+
+        try:
+            r = await retry_call(attempt, self.policy, target="sandbox", counter=self.retries_counter)
+        except (httpx.HTTPError, RetryableStatus) as exc:
+            text = f"Sandbox error: unavailable after {attempts} attempts ({_describe(exc)})"
+            return ToolResult(text, True, time.perf_counter() - start)
+        if r.status_code in (404, 410) and session_id is not None:  # the session ended: say why
+            return ToolResult(f"Sandbox error: {_detail(r)}", True, time.perf_counter() - start)
+        if r.status_code != 200:
+            return ToolResult(
+                f"Sandbox error: HTTP {r.status_code}: {r.text[:200]}", True, time.perf_counter() - start
+            )
+        try:
+            body = r.json()
+        except ValueError:
+            return ToolResult("Sandbox error: response is not JSON", True, time.perf_counter() - start)
+        body = body if isinstance(body, dict) else {}
+        res = format_run_result(body, self.run_timeout_s)
+        text = res.text
+        if session_id is not None and "ended:" in str(body.get("message") or ""):
+            text = "\n".join(p for p in (text, f"Sandbox error: {body['message']}") if p)
+        return ToolResult(text, res.error, time.perf_counter() - start)
 
     async def aclose(self) -> None:
         await self._client.aclose()

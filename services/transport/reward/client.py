@@ -1,48 +1,44 @@
 """Async client of the reward service (used by the rollout service).
 
-Overload is part of the contract: a 503 means "nothing was graded, come back after
-``Retry-After`` seconds", and the client does exactly that until its ``timeout_s`` is spent,
-so a burst larger than the service's queue is graded late rather than dropped or mis-graded.
-Any other error is raised to the caller.
+Invariants:
+- overload is part of the contract: a 503 means "nothing was graded, come back after
+  ``Retry-After`` seconds", and the client does exactly that, so a burst larger than the
+  service's queue is graded late rather than dropped or mis-graded;
+- one budget per call: connection errors, time-outs, 429 and 5xx are retried under the shared
+  policy (``services/common/retry.py``: jittered pauses, or the server's ``Retry-After``) until
+  ``timeout_s`` is spent, retries and waits included; each attempt gets the time left as its HTTP
+  timeout. Every retry is counted in ``retries_counter`` (``target="reward"``, by reason);
+- the last failure is raised as ``httpx.HTTPError`` (``HTTPStatusError`` for a status): callers
+  never see the retry machinery, and nobody above retries again.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import httpx
 
+from services.common.retry import RetryableStatus, RetryPolicy, check_status, retry_call
 from services.transport.reward.schemas import ScoreResult
-
-MAX_RETRY_AFTER_S = 30.0
-
-
-def retry_after_s(response: httpx.Response, default: float = 1.0) -> float:
-    """The ``Retry-After`` delay in seconds (integer form), ``default`` when absent or odd."""
-    try:
-        return min(MAX_RETRY_AFTER_S, max(0.0, float(response.headers.get("Retry-After", default))))
-    except ValueError:
-        return default
 
 
 class RewardClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 30.0, *, backoff_s: float = 0.2,
+                 retries_counter: Any = None) -> None:
         self.timeout_s = timeout_s
+        self.policy = RetryPolicy(attempts=None, deadline_s=timeout_s, base_s=backoff_s, max_s=5.0)
+        self.retries_counter = retries_counter
         self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        """POST, waiting out 503s as told by ``Retry-After`` within ``timeout_s`` overall."""
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            r = await self._client.post(path, json=body)
-            if r.status_code != 503:
-                break
-            delay = retry_after_s(r)
-            if time.monotonic() + delay >= deadline:
-                break  # out of time: the 503 is raised below
-            await asyncio.sleep(delay)
+        async def attempt(timeout: float | None) -> httpx.Response:
+            return check_status(await self._client.post(path, json=body, timeout=timeout))
+
+        try:
+            r = await retry_call(attempt, self.policy, target="reward", counter=self.retries_counter)
+        except RetryableStatus as exc:  # out of time: the last answer's status is the error
+            exc.response.raise_for_status()
+            raise
         r.raise_for_status()
         return r
 
