@@ -135,3 +135,9 @@ def load_config(
         return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+
+
+def dump_config(cfg: BaseModel) -> str:
+    """The resolved, validated config as JSON (what ``--dry-run`` prints; never holds a secret:
+    secrets are read from the env var or file a config *names*)."""
+    return json.dumps(cfg.model_dump(mode="json"), indent=2)

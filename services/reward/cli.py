@@ -25,14 +25,20 @@ def serve(
     port: int | None = typer.Option(None),
     config: Path | None = typer.Option(None, "--config", "-c"),
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set timeout_s=1"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved, validated config and exit"),
 ) -> None:
     """Start the reward HTTP service."""
+    cfg = _config(config, set_, host=host, port=port)
+    if dry_run:
+        from services.common.config import dump_config
+
+        typer.echo(dump_config(cfg))
+        return
     import uvicorn
 
     from services.common.logging import setup_logging
     from services.reward.app import create_app
 
-    cfg = _config(config, set_, host=host, port=port)
     setup_logging(cfg.log_level)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, access_log=False)
 

@@ -27,11 +27,11 @@ def serve(
     weight_token_file: Path | None = typer.Option(None, help="file holding the weight token"),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON config file"),
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set agent.max_turns=4"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved, validated config and exit"),
 ) -> None:
     """Start the rollout service (HTTP API, optional Redis worker and gRPC weight push)."""
-    from services.common.config import load_config
+    from services.common.config import dump_config, load_config
     from services.rollout.config import RolloutConfig
-    from services.rollout.runtime import run_server
 
     values: dict[str, object] = {
         "model": str(model) if model else None,
@@ -48,6 +48,11 @@ def serve(
     if tool_format:
         values["agent"] = {"tool_format": tool_format}
     cfg = load_config(RolloutConfig, file=config, env_prefix="RETOOL_ROLLOUT", values=values, overrides=set_)
+    if dry_run:
+        typer.echo(dump_config(cfg))
+        return
+    from services.rollout.runtime import run_server
+
     run_server(cfg)
 
 

@@ -87,3 +87,23 @@ def test_env_values_are_yaml_and_errors_name_the_field():
     assert load_config(Cfg, env_prefix="RETOOL_T", environ={"RETOOL_T__TAGS": "[a, b]"}).tags == ["a", "b"]
     with pytest.raises(ConfigError, match="inner.size"):
         load_config(Cfg, env_prefix="RETOOL_T", environ={"RETOOL_T__INNER__SIZE": "0"})
+
+
+@pytest.mark.parametrize("service", ["sandbox", "reward", "rollout"])
+def test_serve_dry_run_prints_the_resolved_config_and_starts_nothing(service, tmp_path: Path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    f = tmp_path / "c.yaml"
+    f.write_text("port: 7000\nlog_level: WARNING\n")
+    env = {f"RETOOL_{service.upper()}__PORT": "7100"}
+    args = [service, "serve", "--config", str(f), "--set", "log_level=DEBUG", "--dry-run"]
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    cfg = json.loads(result.output)
+    assert (cfg["port"], cfg["log_level"]) == (7100, "DEBUG")  # env beats file, --set beats both
+    bad = CliRunner().invoke(app, [service, "serve", "--set", "port=70000", "--dry-run"], env={})
+    assert isinstance(bad.exception, ConfigError) and "port" in str(bad.exception)
