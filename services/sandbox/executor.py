@@ -78,7 +78,7 @@ class Executor:
             log.error("cgroups unavailable: a run's memory and process limits apply per process only, "
                       "so a run that forks can exceed them. Give the service a writable cgroup tree "
                       "(host: cgroup v1 memory+pids or v2 with both delegated; container: cgroup: private, "
-                      "CAP_SYS_ADMIN; README, Sandbox service)")
+                      "CAP_SYS_ADMIN; docs/services/sandbox.md, Isolation)")
         self._slot_limits: dict[int, tuple[int, int]] = {}  # limits last written per slot cgroup
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])

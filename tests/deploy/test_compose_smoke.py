@@ -22,7 +22,7 @@ timed and printed:
 8. the trainer container is restarted and resumes from its checkpoint;
 9. ``docker compose down -v`` leaves no container or volume of the project.
 
-What it cannot show (see README, Deployment): the GPU profile (no CUDA image or GPU here),
+What it cannot show (see docs/validation.md): the GPU profile (no CUDA image or GPU here),
 several machines, and Docker's own iptables isolation of internal networks where the engine
 runs with iptables off (the route-level isolation checked in phase 4 holds without it).
 """
