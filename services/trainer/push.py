@@ -86,12 +86,13 @@ class WeightPusher:
     def __init__(self, entries: list[str], token: str, *, bucket_bytes: int,
                  transport: Literal["grpc", "shm"] = "grpc", delta: DeltaMode = "auto", dtype: str = "auto",
                  attempts: int = 3, backoff_s: float = 2.0, encode_threads: int = 2,
-                 wait_s: float | None = None) -> None:
+                 wait_s: float | None = None, encode_where: Literal["host", "device"] = "host") -> None:
         if wait_s is not None and wait_s <= 0:
             raise ValueError(f"wait_s: must be > 0 (or None), got {wait_s}")
         self.entries, self.token, self.bucket_bytes = entries, token, bucket_bytes
         self.transport, self.delta_mode, self.dtype = transport, delta, dtype
         self.attempts, self.backoff_s, self.encode_threads = attempts, backoff_s, encode_threads
+        self.encode_where = encode_where  # "device": the delta compare runs where the master weights are
         self.wait_s = wait_s
         self.encoder: DeltaEncoder | None = None  # the shadow, in the serving dtype
         self._acked: dict[str, tuple[str, int]] = {}  # target -> (lineage, version) it acknowledged
@@ -188,7 +189,7 @@ class WeightPusher:
         if self.encoder is None or self.encoder.dtype != dtype:
             if self.encoder is not None:
                 self.encoder.close()
-            self.encoder = DeltaEncoder(dtype, threads=self.encode_threads)
+            self.encoder = DeltaEncoder(dtype, threads=self.encode_threads, where=self.encode_where)
             self._last = None
         enc = self.encoder
         encode_s = 0.0
