@@ -18,13 +18,14 @@ from services.trainer.logprobs import token_logprobs
 
 class Actor(nn.Module):
     def __init__(self, lm: nn.Module, *, chunk_tokens: int = 4096, temperature: float = 1.0,
-                 varlen_packed: bool = True) -> None:
+                 varlen_packed: bool = True, varlen_backend: str | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
         self.padded_attn = str(lm.config._attn_implementation)
         self.packed_attn = varlen_attention.register() if varlen_packed else self.padded_attn
+        self.varlen_backend = varlen_backend  # None: varlen_attention.backend_for (a benchmark pins one)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -38,7 +39,8 @@ class Actor(nn.Module):
         extra = {}
         if packed and self.packed_attn == varlen_attention.NAME and input_ids.shape[0] == 1:
             # the sequence boundaries once per forward (one host sync), not once per layer
-            extra[varlen_attention.SEGMENTS_KWARG] = varlen_attention.segments_of(position_ids)
+            seg = varlen_attention.segments_of(position_ids, self.varlen_backend)
+            extra[varlen_attention.SEGMENTS_KWARG] = seg
         out = self.lm.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                             use_cache=False, **extra)
         hidden = out.last_hidden_state

@@ -40,14 +40,16 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class Segments:
-    """Sequence lengths of one packed row, on the host and as ``cu_seqlens`` (int32) on the device."""
+    """Sequence lengths of one packed row, on the host and as ``cu_seqlens`` (int32) on the device;
+    ``backend`` pins the backend (None: ``backend_for``; benchmarks pin one to compare)."""
 
     lengths: tuple[int, ...]
     cu_seqlens: torch.Tensor
     max_len: int
+    backend: str | None = None
 
 
-def segments_of(position_ids: torch.Tensor) -> Segments:
+def segments_of(position_ids: torch.Tensor, backend: str | None = None) -> Segments:
     """Boundaries of a packed ``[1, N]`` row: a position 0 starts a sequence (one host sync)."""
     pos = position_ids.reshape(-1)
     starts = (pos == 0).nonzero().reshape(-1).tolist()
@@ -56,7 +58,7 @@ def segments_of(position_ids: torch.Tensor) -> Segments:
     ends = [*starts[1:], pos.numel()]
     lengths = tuple(e - s for s, e in zip(starts, ends, strict=True))
     cu = torch.tensor([0, *ends], dtype=torch.int32, device=position_ids.device)
-    return Segments(lengths, cu, max(lengths))
+    return Segments(lengths, cu, max(lengths), backend)
 
 
 @cache
@@ -159,7 +161,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if not isinstance(seg, Segments):
         seg = segments_of(position_ids)
     out = packed_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), seg,
-                           scaling, dropout=dropout)
+                           scaling, backend=seg.backend, dropout=dropout)
     return out.unsqueeze(0).contiguous(), None
 
 
