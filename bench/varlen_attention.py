@@ -148,6 +148,9 @@ def measure(tokens: int, heads: int, kv_heads: int, head_dim: int, device: str, 
     for name, build in builders.items():
         if only and name not in only:
             continue
+        if deadline is not None and time.monotonic() > deadline:
+            out["arms"][name] = {"error": "skipped: out of time"}
+            continue
         try:
             fns[name] = build()
             _run(fns[name], q0, k0, v0, grad, dev)  # warm-up: compiles, autotunes; not timed
