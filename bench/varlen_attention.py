@@ -1,7 +1,7 @@
 """Packed (varlen) causal attention: our per-sequence SDPA loop vs every alternative, one run.
 
-One packed row of RL-like sequences (prompt 64-256 tokens + lognormal response, cut to the token
-budget), attention only (no model around it), forward + backward, best of ``--reps`` after a
+One packed row of RL-like sequences (prompt 64-256 tokens + lognormal response, ``--tokens`` or a
+little more), attention only (no model around it), forward + backward, best of ``--reps`` after a
 warm-up. Arms, each reported as seconds and as a ratio to ``loop`` (> 1: faster than ours):
 - ``loop``: ours (``services/trainer/varlen_attention.py``), segments found once per forward;
 - ``loop, segments per layer``: the same with the boundaries found in every call (the host sync per
@@ -31,23 +31,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+from bench.gpu.common import rl_lengths  # noqa: E402
 from services.trainer import varlen_attention as va  # noqa: E402
 
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rl_lengths(tokens: int, seed: int = 0) -> list[int]:
-    """Sequence lengths that fill ``tokens`` exactly (RL-like mix; the last one cut to fit)."""
-    rng = np.random.default_rng(seed)
-    out: list[int] = []
-    while sum(out) < tokens:
-        n = int(rng.integers(64, 257)) + int(np.clip(rng.lognormal(mean=5.8, sigma=0.9), 50, 2000))
-        out.append(min(n, tokens - sum(out)))
-    return out
 
 
 def _block_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
@@ -130,11 +120,13 @@ def _run(fn: Fn, q0: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, grad: tor
 
 
 def measure(tokens: int, heads: int, kv_heads: int, head_dim: int, device: str, dtype: torch.dtype,
-            reps: int = 3, only: list[str] | None = None, deadline: float | None = None) -> dict[str, Any]:
+            reps: int = 3, only: list[str] | None = None, deadline: float | None = None,
+            scale: float = 1.0) -> dict[str, Any]:
     """Seconds (forward + backward; best and median of ``reps``, arms interleaved) per arm and the
     ratio ``loop`` / arm (from the best times)."""
     dev = torch.device(device)
-    lengths = rl_lengths(tokens)
+    lengths = rl_lengths(tokens, scale)
+    tokens = sum(lengths)
     gen = torch.Generator(device="cpu").manual_seed(0)
     q0 = torch.randn(tokens, heads, head_dim, generator=gen).to(dev, dtype)
     k0 = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dev, dtype)

@@ -114,5 +114,6 @@ def run(ctx: Ctx) -> None:
         dtype,
         reps=sizes.reps,
         deadline=time.monotonic() + max(5.0, ctx.left() - 10),
+        scale=sizes.length_scale,
     )
     ctx.save(attention=attention)

@@ -189,7 +189,7 @@ def markdown(report: Report) -> str:
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
             lines.append(
-                f"| {r['preset']} | {r['parameters'] / 1e6:.0f}M | {r['tokens_per_step']} | "
+                f"| {r['preset']} | {r['parameters'] / 1e6:.1f}M | {r['tokens_per_step']} | "
                 f"{r['tokens_per_s']:.0f} | {mfu} | {r['peak_memory_gib']:.2f} | "
                 f"{r['median_step_seconds']:.3f} |"
             )
@@ -241,7 +241,7 @@ def markdown(report: Report) -> str:
     if wt.get("encode"):
         lines += [
             "",
-            f"## Weights ({wt.get('preset')}, {wt.get('parameters', 0) / 1e6:.0f}M parameters, "
+            f"## Weights ({wt.get('preset')}, {wt.get('parameters', 0) / 1e6:.1f}M parameters, "
             f"density {_f(wt.get('density'), 4)})",
             "",
             "| delta encode | median s |",
