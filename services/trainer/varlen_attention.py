@@ -75,15 +75,19 @@ def _torch_varlen() -> Callable[..., torch.Tensor] | None:
     gqa = "enable_gqa" in params
 
     def run(q: Tensor, k: Tensor, v: Tensor, seg: Segments, scale: float | None) -> Tensor:
+        kw = dict(causal)
+        if scale is not None:
+            if "scale" in params:
+                kw["scale"] = scale
+            elif abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+                raise ValueError(f"this torch's varlen_attn takes no scale; the model needs {scale}")
         if q.shape[1] != k.shape[1]:
             if gqa:
-                return varlen_attn(q, k, v, seg.cu_seqlens, seg.cu_seqlens, seg.max_len, seg.max_len,
-                                   scale=scale, enable_gqa=True, **causal)
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        extra = {"scale": scale} if "scale" in params else {}
-        return varlen_attn(q, k, v, seg.cu_seqlens, seg.cu_seqlens, seg.max_len, seg.max_len, **extra,
-                           **causal)
+                kw["enable_gqa"] = True
+            else:
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return varlen_attn(q, k, v, seg.cu_seqlens, seg.cu_seqlens, seg.max_len, seg.max_len, **kw)
 
     return run
 

@@ -76,3 +76,49 @@ def test_transformers_hook_uses_the_segments_given_once_per_forward() -> None:
     assert own.shape == (1, 6, 4, 8) and not torch.allclose(own, whole)
     with pytest.raises(ValueError, match="one packed row"):
         va.varlen_attention_forward(torch.nn.Module(), q, kv, kv, torch.ones(1, 6), position_ids=pos)
+
+
+def _fake_kernel(q, k, v, cu, max_len):
+    """What torch's flash varlen kernel computes (it runs on CUDA only): causal attention per segment."""
+    bounds = cu.tolist()
+    assert max_len == max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
+    return _reference(q, k, v, [b - a for a, b in zip(bounds, bounds[1:], strict=False)])
+
+
+@pytest.mark.parametrize("api", ["2.10", "2.11+"])
+def test_torch_varlen_adapter_speaks_each_torch_signature(monkeypatch, api) -> None:
+    # the CUDA kernel cannot run here: a stand-in with each torch version's signature checks what the
+    # adapter passes (causal flag, GQA, scale); the real kernel is compared with the loop in bench.gpu
+    import torch.nn.attention.varlen as tv
+
+    calls = []
+    if api == "2.10":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+            calls.append({"is_causal": is_causal, "kv_heads": key.shape[1]})
+            return _fake_kernel(query, key, value, cu_seq_q, max_q)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                 window_size=(-1, -1), enable_gqa=False):
+            calls.append({"window_size": tuple(window_size), "gqa": enable_gqa, "scale": scale})
+            assert enable_gqa == (key.shape[1] != query.shape[1])
+            return _fake_kernel(query, key, value, cu_seq_q, max_q)
+
+    monkeypatch.setattr(tv, "varlen_attn", fake)
+    va._torch_varlen.cache_clear()
+    try:
+        run = va._torch_varlen()
+        assert run is not None
+        gen = torch.Generator().manual_seed(2)
+        lengths = [3, 6]
+        q = torch.randn(9, 4, 8, generator=gen)
+        k, v = torch.randn(9, 2, 8, generator=gen), torch.randn(9, 2, 8, generator=gen)
+        seg = va.segments_of(torch.cat([torch.arange(n) for n in lengths])[None])
+        torch.testing.assert_close(run(q, k, v, seg, 8 ** -0.5), _reference(q, k, v, lengths))
+        if api == "2.10":
+            assert calls == [{"is_causal": True, "kv_heads": 4}]  # kv heads repeated: no GQA flag there
+            with pytest.raises(ValueError, match="takes no scale"):
+                run(q, k, v, seg, 0.5)
+        else:
+            assert calls == [{"window_size": (-1, 0), "gqa": True, "scale": 8 ** -0.5}]
+    finally:
+        va._torch_varlen.cache_clear()
