@@ -115,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", action="append", default=[], metavar="SECTION=S", help="override a budget")
     args = ap.parse_args(argv)
     device = args.device
-    if device == "auto":
+    if device != "cpu":
         import torch
 
+        if device == "cuda" and not torch.cuda.is_available():
+            ap.error(f"--device cuda: torch {torch.__version__} sees no CUDA device (use --device cpu)")
         device = "cuda" if torch.cuda.is_available() else "cpu"
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import traceback
 from pathlib import Path
 
 from bench.gpu.common import SIZES, Ctx
 from bench.gpu.report import SECTIONS
+
+FAULT_ENV = "RETOOL_GPU_CHECK_FAULT"
 
 
 def main() -> None:
@@ -28,6 +31,8 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     ctx = Ctx(args.device, args.work, args.out, args.deadline)
     try:
+        if os.environ.get(FAULT_ENV) == args.name:  # fault injection (tests): this section fails
+            raise RuntimeError(f"fault injected by {FAULT_ENV}={args.name}")
         importlib.import_module(f"bench.gpu.{args.name}").run(ctx)
     except BaseException as exc:
         tb = "".join(traceback.format_exception(exc)[-6:])
