@@ -32,7 +32,7 @@ from bench.gpu.report import SECTIONS, Report, SectionReport, markdown, validate
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGETS_S = {
-    "cuda": {"env": 45, "trainer": 210, "packing": 100, "engine": 90, "weights": 120},
+    "cuda": {"env": 45, "trainer": 180, "packing": 100, "engine": 90, "weights": 150},
     "cpu": {"env": 60, "trainer": 240, "packing": 120, "engine": 120, "weights": 180},
 }
 MIN_SECTION_S = 10.0

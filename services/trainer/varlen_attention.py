@@ -12,12 +12,14 @@ Invariants:
   flash-attn's ``flash_attn_varlen_func`` if installed, else ``torch.nn.attention.varlen``),
   otherwise ``loop``, one SDPA call per sequence (any device, any dtype).
 
-Decision (issue 27, measured with ``bench/varlen_attention.py``): on CPU ``loop`` is the fastest
-packed attention there is: torch's varlen kernel and flash-attn are CUDA-only, SDPA on nested
-tensors refuses ``is_causal``, and transformers' own packed path for sdpa (a block-diagonal mask)
-and flex_attention are slower (numbers in docs/gpu-check.md and the bench's output). On CUDA the
-fused kernel is used (one launch per layer, no per-sequence loop); ``bench.gpu``'s packing section
-measures it against ``loop`` on the GPU and reports which wins.
+Decision (issue 27: a library where one exists; ours only where a benchmark says it wins):
+- CPU: ours. ``bench/varlen_attention.py`` (4096 tokens, 8 sequences, 14/2 heads x 64, fp32, fwd+bwd,
+  2 shared cores): loop 2.00 s; transformers' packed path for sdpa (block-diagonal mask) 8.17 s;
+  flex_attention has no CPU backward; SDPA on nested tensors refuses is_causal; torch varlen_attn and
+  flash-attn are CUDA-only. In a model (``bench/trainer.py --quick``, one 4096-token micro-batch):
+  loop 2.36 s, sdpa + block mask 3.36 s, eager + block mask 12.2 s.
+- CUDA: the fused kernel (one launch per layer, no per-sequence loop), not yet measured against the
+  loop on a GPU: ``bench.gpu``'s packing section reports both (docs/gpu-check.md).
 """
 
 from __future__ import annotations
