@@ -1,14 +1,17 @@
 """Section 2, trainer: ``bench.gpu.trainer_worker`` as one rank under torchrun (FSDP2 on NCCL on a
 GPU, gloo on the CPU); its JSON is this section's result.
 
-Invariant: the worker gets the section's deadline and saves after every run, so a worker killed at
-the budget still leaves the runs it finished (this section then records them with the timeout).
+Invariants: the worker gets the section's deadline (minus 5 s), saves after every run and exits
+hard at its deadline (it lives in a session of torchrun's, out of reach of the process-group kill),
+so it never holds the GPU into the next section; a failed reference or run makes the section an
+``error`` that keeps everything measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +47,19 @@ def run(ctx: Ctx) -> None:
     ctx.save(
         command=f"torchrun --standalone --nproc_per_node 1 -m bench.gpu.trainer_worker --device {ctx.device}"
     )
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(1.0, ctx.left())
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    try:
+        log, _ = proc.communicate(timeout=max(1.0, ctx.left() - 2))
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its worker (another session)
+        log, _ = proc.communicate()
     if out.exists():
         ctx.save(**json.loads(out.read_text()))
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        tail = "\n".join(log.strip().splitlines()[-25:])
         raise RuntimeError(f"torchrun exited with {proc.returncode}:\n{tail}")
+    failed = [r for r in ctx.results.get("runs", []) if "error" in r]
+    if "error" in ctx.results.get("reference", {}) or failed:
+        raise RuntimeError(f"reference: {ctx.results['reference'].get('error')}; runs failed: {failed}")

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -181,12 +184,30 @@ def throughput(ctx: Ctx, preset: str, mesh: Any) -> dict[str, Any]:
     return out
 
 
+def _watchdog(deadline: float) -> None:
+    """Exit hard at ``deadline``: torchrun starts this worker in a session of its own, so the check
+    killing the section's process group would not reach it (and it would hold the GPU)."""
+
+    def wait() -> None:
+        time.sleep(max(0.0, deadline - time.time()))
+        sys.stderr.write("trainer worker: deadline reached, exiting\n")
+        sys.stderr.flush()
+        os._exit(124)
+
+    threading.Thread(target=wait, daemon=True, name="deadline").start()
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()[:400]}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=sorted(SIZES), required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, required=True, help="time.time() to be done by")
     args = ap.parse_args()
+    _watchdog(args.deadline)
     from services.trainer.config import TrainerConfig
     from services.trainer.fsdp import init_distributed
 
@@ -199,7 +220,10 @@ def main() -> None:
     import torch.distributed as dist
 
     ctx.save(backend=dist.get_backend(), world_size=world)
-    ctx.save(reference=reference(ctx, mesh))
+    try:
+        ctx.save(reference=reference(ctx, mesh))
+    except Exception as exc:  # recorded; the throughput runs still go
+        ctx.save(reference={"error": _error(exc), "passed": False})
     runs = []
     for preset in ctx.sizes.trainer_presets:
         if ctx.left() < 10:
@@ -207,8 +231,8 @@ def main() -> None:
             break
         try:
             runs.append(throughput(ctx, preset, mesh))
-        except torch.OutOfMemoryError as exc:  # a bigger card may hold it: record and go on
-            runs.append({"preset": preset, "error": f"OutOfMemoryError: {str(exc)[:300]}"})
+        except Exception as exc:  # e.g. out of memory on a smaller card: recorded, the next preset runs
+            runs.append({"preset": preset, "error": _error(exc)})
         ctx.save(runs=runs)
     ctx.save(runs=runs)
     dist.destroy_process_group()
