@@ -36,14 +36,15 @@ def _prompts(tok: Any, n: int) -> list[list[int]]:
 
 
 async def _measure(kind: str, model_dir: Path, levels: list[int], max_tokens: int,
-                   vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
+                   vllm_kwargs: dict[str, Any], hf_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Start time and tok/s per concurrency level; ``hf_kwargs`` go to ``HFEngine`` (device, dtype)."""
     from services.rollout.engine.base import SamplingParams, collect
 
     t0 = time.perf_counter()
     if kind == "hf":
         from services.rollout.engine.hf import HFEngine
 
-        engine: Any = HFEngine(model_dir, max_batch_size=max(levels))
+        engine: Any = HFEngine(model_dir, max_batch_size=max(levels), **(hf_kwargs or {}))
     else:
         from services.rollout.engine.vllm_engine import VLLMEngine
 

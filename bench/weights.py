@@ -66,8 +66,20 @@ def _wait_replica(target: str, proc: subprocess.Popen, timeout_s: float = 300) -
             time.sleep(0.5)
 
 
+def start_replica(served: Path, dtype: str = "bfloat16") -> tuple[str, subprocess.Popen]:
+    """A bare replica process (the HF engine on the CPU + the weight-push server); wait with
+    ``_wait_replica``."""
+    port = free_port()
+    env = {**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "services.rollout.weights.server", "--model", str(served),
+           "--port", str(port), "--dtype", dtype]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return f"127.0.0.1:{port}", proc
+
+
 def _train(model: Any, steps: int, lr: float, seed: int = 0) -> list[dict[str, Any]]:
-    """Real AdamW steps on random tokens; the fp32 master weights after each of them."""
+    """Real AdamW steps on random tokens; the fp32 master weights after each of them (on the model's
+    device)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -75,7 +87,7 @@ def _train(model: Any, steps: int, lr: float, seed: int = 0) -> list[dict[str, A
     states = []
     for i in range(steps):
         t0 = time.perf_counter()
-        ids = torch.randint(0, model.config.vocab_size, (4, 128), generator=gen)
+        ids = torch.randint(0, model.config.vocab_size, (4, 128), generator=gen).to(model.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -236,13 +248,7 @@ def main() -> None:
         bf16 = {n: t.to(torch.bfloat16) for n, t in b.items()}
         full_bytes = nparams * 2
 
-        port = free_port()
-        target = f"127.0.0.1:{port}"
-        env = {**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN}
-        cmd = ["-m", "services.rollout.weights.server", "--model", str(served), "--port", str(port),
-               "--dtype", "bfloat16"]
-        proc = subprocess.Popen([sys.executable, *cmd], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        target, proc = start_replica(served)
         res: dict[str, Any] = {"size": args.size, "params": nparams, "lr": args.lr, "repeats": args.repeats,
                                "full_bf16_bytes": full_bytes}
         try:

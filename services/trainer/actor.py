@@ -2,8 +2,9 @@
 
 Invariant: the whole computation (decoder + chunked LM head) runs inside this module's forward,
 so FSDP2 (root ``fully_shard`` on this module) has every parameter unsharded exactly when it is
-used. Packed inputs pass ``attention_mask=None`` and per-sequence ``position_ids``; padded inputs
-pass a 2-D attention mask.
+used. Packed inputs pass ``attention_mask=None`` and per-sequence ``position_ids`` (their sequence
+boundaries are found once per forward, see ``varlen_attention``); padded inputs pass a 2-D attention
+mask.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from services.trainer.logprobs import token_logprobs
 
 class Actor(nn.Module):
     def __init__(self, lm: nn.Module, *, chunk_tokens: int = 4096, temperature: float = 1.0,
-                 varlen_packed: bool = True) -> None:
+                 varlen_packed: bool = True, varlen_backend: str | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
         self.padded_attn = str(lm.config._attn_implementation)
         self.packed_attn = varlen_attention.register() if varlen_packed else self.padded_attn
+        self.varlen_backend = varlen_backend  # None: varlen_attention.backend_for (a benchmark pins one)
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
@@ -32,9 +34,15 @@ class Actor(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # packed rows (no 2-D mask) use per-sequence attention; padded batches use the model's own
-        self.lm.config._attn_implementation = self.packed_attn if attention_mask is None else self.padded_attn
+        packed = attention_mask is None
+        self.lm.config._attn_implementation = self.packed_attn if packed else self.padded_attn
+        extra = {}
+        if packed and self.packed_attn == varlen_attention.NAME and input_ids.shape[0] == 1:
+            # the sequence boundaries once per forward (one host sync), not once per layer
+            seg = varlen_attention.segments_of(position_ids, self.varlen_backend)
+            extra[varlen_attention.SEGMENTS_KWARG] = seg
         out = self.lm.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=False)
+                            use_cache=False, **extra)
         hidden = out.last_hidden_state
         return token_logprobs(hidden, self.lm.lm_head.weight, input_ids, temperature=self.temperature,
                               chunk_tokens=self.chunk_tokens)

@@ -1,6 +1,8 @@
 """FSDP2 wiring: process group, device mesh, per-decoder-layer + root ``fully_shard``.
 
-Invariants: parallel sizes are validated (``TrainerConfig.validate_parallel``) before the process
+Invariants: on CUDA each process uses GPU ``LOCAL_RANK`` and the model is sharded even on one rank
+(``wants_fsdp``: the GPU gets the bf16 compute, the fp32 master weights stay with the optimizer);
+parallel sizes are validated (``TrainerConfig.validate_parallel``) before the process
 group or mesh is created; each decoder layer is its own FSDP unit and the actor (root) holds the
 embeddings, final norm and LM head (the critic's root: embeddings, norm; its value head is an fp32
 unit of its own, listed in ``fp32_units``); gradients are reduced in ``reduce_dtype`` (fp32 by default)
@@ -35,10 +37,18 @@ def init_distributed(cfg: TrainerConfig) -> tuple[int, int, DeviceMesh]:
     backend = cfg.fsdp.backend
     if backend == "auto":
         backend = "nccl" if device_type() == "cuda" else "gloo"
+    if device_type() == "cuda":  # one GPU per process: torchrun's LOCAL_RANK picks it
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     mesh = init_device_mesh(device_type(), (dp,), mesh_dim_names=("dp",))
     return dist.get_rank(), dist.get_world_size(), mesh
+
+
+def wants_fsdp(world: int) -> bool:
+    """Shard with FSDP2 on more than one rank, and on a GPU even alone: it moves the model there and
+    runs it in ``fsdp.param_dtype`` (bf16) with fp32 master weights."""
+    return world > 1 or device_type() == "cuda"
 
 
 def apply_fsdp2(actor: _Model, fsdp: FSDPConfig, mesh: DeviceMesh | None = None) -> _Model:

@@ -205,7 +205,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         from services.trainer.actor import Actor
-        from services.trainer.fsdp import apply_fsdp2, build_optimizer, init_distributed
+        from services.trainer.fsdp import apply_fsdp2, build_optimizer, init_distributed, wants_fsdp
 
         if self.tcfg.model_path is None:
             raise ConfigError("trainer.model_path: a Hugging Face model directory is required")
@@ -223,7 +223,7 @@ class Trainer:
         self.rank, self.world, mesh = init_distributed(self.tcfg)
         lm = AutoModelForCausalLM.from_pretrained(self.tcfg.model_path, dtype=torch.float32)
         self.actor = Actor(lm, chunk_tokens=self.tcfg.logprob_chunk_tokens, temperature=self.tcfg.temperature)
-        if self.world > 1:
+        if wants_fsdp(self.world):
             apply_fsdp2(self.actor, self.tcfg.fsdp, mesh)
         self.optimizer = build_optimizer(self.actor, self.tcfg)
         self.critic: torch.nn.Module | None = None
@@ -233,7 +233,7 @@ class Trainer:
 
             ccfg = self.tcfg.critic
             self.critic = load_critic(ccfg.model_path or self.tcfg.model_path, head_seed=self.tcfg.seed)
-            if self.world > 1:
+            if wants_fsdp(self.world):
                 apply_fsdp2(self.critic, self.tcfg.fsdp, mesh)
             self.critic_optimizer = build_critic_optimizer(self.critic, ccfg.lr, self.tcfg.betas,
                                                            self.tcfg.weight_decay)

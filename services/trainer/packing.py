@@ -18,7 +18,7 @@ Invariants
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,6 +69,20 @@ class MicroBatch:
     @property
     def computed_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (itself when already there)."""
+        if self.input_ids.device == device:
+            return self
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return replace(self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
+                       attention_mask=move(self.attention_mask), seq_index=self.seq_index.to(device),
+                       loss_mask=self.loss_mask.to(device), advantages=self.advantages.to(device),
+                       old_logprobs=move(self.old_logprobs), rollout_logprobs=move(self.rollout_logprobs),
+                       ref_logprobs=move(self.ref_logprobs))
 
 
 def _cat(parts: Sequence[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from services.trainer.algo.advantages import gae_advantages
@@ -35,6 +34,7 @@ from services.trainer.step import (
     _local_micro_batches,
     _minibatches,
     _split_back,
+    all_reduce,
     train_step,
 )
 
@@ -55,12 +55,7 @@ class CriticSettings:
 
 
 def _all_reduce_sum(t: torch.Tensor, dp: DPInfo) -> torch.Tensor:
-    if dp.world == 1 or not dist.is_initialized():
-        return t
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
-    buf = t.to(dev)
-    dist.all_reduce(buf)
-    return buf.to(t.device)
+    return all_reduce(t, dp)
 
 
 def _padded(parts: Sequence[torch.Tensor], length: int) -> torch.Tensor:

@@ -92,7 +92,7 @@ class WeightPusher:
     def __init__(self, entries: list[str], token: str, *, bucket_bytes: int,
                  transport: Literal["grpc", "shm"] = "grpc", delta: DeltaMode = "auto", dtype: str = "auto",
                  attempts: int = 3, backoff_s: float = 2.0, encode_threads: int = 2,
-                 wait_s: float | None = None) -> None:
+                 wait_s: float | None = None, encode_where: Literal["host", "device"] = "host") -> None:
         if wait_s is not None and wait_s <= 0:
             raise ValueError(f"wait_s: must be > 0 (or None), got {wait_s}")
         self.entries, self.token, self.bucket_bytes = entries, token, bucket_bytes
@@ -102,6 +102,7 @@ class WeightPusher:
         # RPC of an attempt gets the time left as its deadline
         self.policy = RetryPolicy(attempts=attempts, deadline_s=wait_s, base_s=backoff_s,
                                   max_s=max(backoff_s, 30.0))
+        self.encode_where = encode_where  # "device": the delta compare runs where the master weights are
         self.encoder: DeltaEncoder | None = None  # the shadow, in the serving dtype
         self._acked: dict[str, tuple[str, int]] = {}  # target -> (lineage, version) it acknowledged
         self._dtypes: dict[str, str] = {}  # target -> serving dtype it reported
@@ -199,7 +200,7 @@ class WeightPusher:
         if self.encoder is None or self.encoder.dtype != dtype:
             if self.encoder is not None:
                 self.encoder.close()
-            self.encoder = DeltaEncoder(dtype, threads=self.encode_threads)
+            self.encoder = DeltaEncoder(dtype, threads=self.encode_threads, where=self.encode_where)
             self._last = None
         enc = self.encoder
         encode_s = 0.0

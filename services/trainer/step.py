@@ -10,14 +10,18 @@ Invariants
 - Every rank runs the same number of forward/backward passes per mini-batch (empty micro-batches
   run a zero-weighted dummy pass), so FSDP collectives always line up.
 - All ranks receive the same sample list and pick their shard deterministically.
+- Micro-batches are moved to the model's device (the GPU under NCCL); what a step hands back
+  (recomputed log-probs, metrics) lives on the CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from services.trainer.algo.dapo import tis_weights
@@ -102,16 +106,34 @@ def _minibatches(samples: Sequence[TrainSample], settings: StepSettings
         yield start, minibatch, max(float(sum(float(s.loss_mask.sum()) for s in minibatch)), 1.0)
 
 
-def _local_micro_batches(minibatch: Sequence[TrainSample], settings: StepSettings, dp: DPInfo
-                         ) -> Iterator[tuple[list[int], MicroBatch]]:
-    """This rank's micro-batches of ``minibatch``: (indices into it, collated samples).
+def model_device(module: nn.Module) -> torch.device:
+    """Where ``module`` computes (its first parameter's device; FSDP-sharded parameters included)."""
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def all_reduce(t: torch.Tensor, dp: DPInfo, op: Any = None) -> torch.Tensor:
+    """``t`` reduced over the data-parallel ranks (NCCL reduces on the GPU: a round trip there), on
+    ``t``'s own device; ``t`` itself on one rank."""
+    if dp.world == 1 or not dist.is_initialized():
+        return t
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else t.device
+    buf = t.to(dev)
+    dist.all_reduce(buf, op=op if op is not None else dist.ReduceOp.SUM)
+    return buf.to(t.device)
+
+
+def _local_micro_batches(minibatch: Sequence[TrainSample], settings: StepSettings, dp: DPInfo,
+                         device: torch.device | None = None) -> Iterator[tuple[list[int], MicroBatch]]:
+    """This rank's micro-batches of ``minibatch``: (indices into it, collated samples, on ``device``).
 
     Empty indices mark a placeholder (collated from ``minibatch[0]``): the caller runs its forward
     (and a zero-weighted backward when training) and ignores the output, so every rank runs the
     same number of passes and FSDP collectives line up.
     """
     for micro in _local_plan(minibatch, settings, dp):
-        yield micro, _collate([minibatch[i] for i in micro] or [minibatch[0]], settings)
+        mb = _collate([minibatch[i] for i in micro] or [minibatch[0]], settings)
+        yield micro, mb.to(device) if device is not None else mb
 
 
 def _forward(actor: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,13 +155,14 @@ def recompute_logprobs(actor: nn.Module, samples: Sequence[TrainSample], setting
     """Samples with ``old_logprobs`` from the current weights (computed for this rank's shard only;
     other ranks' samples are returned unchanged)."""
     out = list(samples)
+    device = model_device(actor)
     for start, minibatch, _ in _minibatches(samples, settings):
-        for micro, mb in _local_micro_batches(minibatch, settings, dp):
+        for micro, mb in _local_micro_batches(minibatch, settings, dp, device):
             lp, _ = _forward(actor, mb)
             if not micro:
                 continue
             for i, values in zip(micro, _split_back(lp, mb, [minibatch[i] for i in micro]), strict=True):
-                out[start + i] = replace(minibatch[i], old_logprobs=values.detach().clone())
+                out[start + i] = replace(minibatch[i], old_logprobs=values.detach().cpu())
     return out
 
 
@@ -170,11 +193,10 @@ def measure_and_correct(samples: Sequence[TrainSample], settings: StepSettings, 
             if not mis_keeps(s.old_logprobs, s.rollout_logprobs, s.loss_mask, settings.mis_cap):
                 drop[i] = 1.0
                 sums.seqs_masked += 1
-    if dp.world > 1 and torch.distributed.is_initialized():
+    if dp.world > 1 and dist.is_initialized():
         total, maxes = sums.as_tensors()
-        for t, op in ((total, torch.distributed.ReduceOp.SUM), (maxes, torch.distributed.ReduceOp.MAX),
-                      (drop, torch.distributed.ReduceOp.SUM)):
-            torch.distributed.all_reduce(t, op=op)
+        total, maxes = all_reduce(total, dp), all_reduce(maxes, dp, dist.ReduceOp.MAX)
+        drop = all_reduce(drop, dp)
         sums = MismatchSums.from_tensors(total, maxes)
     metrics = sums.metrics()
     if settings.tis_cap is None:
@@ -196,10 +218,11 @@ def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequ
     sums: dict[str, float] = {}
     count = 0
     grad_norms: list[float] = []
+    device = model_device(actor)
     for _ in range(settings.ppo_epochs):
         for _, minibatch, num_tokens in _minibatches(samples, settings):
             optimizer.zero_grad(set_to_none=True)
-            for micro, mb in _local_micro_batches(minibatch, settings, dp):
+            for micro, mb in _local_micro_batches(minibatch, settings, dp, device):
                 lp, ent = _forward(actor, mb)
                 if not micro:  # placeholder: a zero-weighted pass keeps FSDP collectives aligned
                     (lp.sum() * 0.0).backward()

@@ -29,13 +29,15 @@ def _apply(served: dict[str, torch.Tensor], tensors: list[WireTensor]) -> None:
             delta_mod.int_view(target)[:] = payload.view(delta_mod.int_view(target).dtype)
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_a_chain_of_deltas_is_bit_identical_to_the_cast_of_the_master(monkeypatch, dtype):
+def test_a_chain_of_deltas_is_bit_identical_to_the_cast_of_the_master(monkeypatch, dtype, where):
+    # where="device" runs its torch compare on the masters' device: the CPU here, the GPU in bench.gpu
     monkeypatch.setattr(delta_mod, "CHUNK_ELEMENTS", 1000)  # several chunks per tensor, in threads
     gen = torch.Generator().manual_seed(0)
     master = {"a": torch.randn(37, 101, generator=gen) * 0.02, "b": torch.randn(5000, generator=gen),
               "norm": torch.ones(64)}
-    enc = DeltaEncoder(dtype, threads=2)
+    enc = DeltaEncoder(dtype, threads=2, where=where)
     assert enc.update(master.items(), 1) is None  # nothing to compare with: a full push
     served = {n: t.clone() for n, t in enc.full()}
     for version in range(2, 12):
@@ -57,8 +59,9 @@ def test_a_chain_of_deltas_is_bit_identical_to_the_cast_of_the_master(monkeypatc
             assert all(w.encoding == pb.SPARSE for w in delta.tensors)
 
 
-def test_dense_changes_go_full_and_other_shapes_restart_the_shadow():
-    enc = DeltaEncoder(torch.float32, threads=1)
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_dense_changes_go_full_and_other_shapes_restart_the_shadow(where):
+    enc = DeltaEncoder(torch.float32, threads=1, where=where)
     enc.update([("w", torch.zeros(1000))], 1)
     delta = enc.update([("w", torch.arange(1000.0))], 2)  # every element changed
     assert delta is not None and [w.encoding for w in delta.tensors] == [pb.FULL]
@@ -70,6 +73,19 @@ def test_dense_changes_go_full_and_other_shapes_restart_the_shadow():
     assert torch.equal(dict(enc.full())["w"], torch.ones(10))
     empty = enc.update([("w", torch.ones(10))], 6)
     assert empty is not None and empty.tensors == [] and empty.changed == 0
+
+
+def test_host_and_device_compares_send_the_same_sparse_payloads():
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 70, generator=gen) * 0.02
+    host, dev = DeltaEncoder(torch.bfloat16, threads=2), DeltaEncoder(torch.bfloat16, where="device")
+    for enc in (host, dev):
+        enc.update([("w", w)], 1)
+    w2 = w - 2e-6 * torch.sign(torch.randn(w.shape, generator=gen))
+    a, b = host.update([("w", w2)], 2), dev.update([("w", w2)], 2)
+    assert a is not None and b is not None and 0 < a.changed == b.changed < w.numel() // 4
+    assert [(t.encoding, t.changed, bytes(t.payload)) for t in a.tensors] == \
+        [(t.encoding, t.changed, bytes(t.payload)) for t in b.tensors]
 
 
 def _sparse(idx: list[int], values: list[int], dtype=np.int16) -> np.ndarray:

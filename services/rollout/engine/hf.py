@@ -361,9 +361,10 @@ class HFEngine:
             probs = logp.index_select(0, idx).exp()
             top_p = [seqs[i].params.top_p for i in rows]
             if min(top_p) < 1.0:
-                probs = _top_p_filter(probs, torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1))
+                limit = torch.tensor(top_p, dtype=probs.dtype, device=probs.device).unsqueeze(1)
+                probs = _top_p_filter(probs, limit)
             u = torch.tensor([float(torch.rand((), generator=seqs[i].generator)) for i in rows],
-                             dtype=probs.dtype).unsqueeze(1)
+                             dtype=probs.dtype, device=probs.device).unsqueeze(1)  # CPU generators, GPU math
             cdf = probs.cumsum(dim=-1)
             picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
             toks[idx] = picked.clamp_(max=logits.shape[-1] - 1)

@@ -13,6 +13,11 @@ Invariants:
   applying every delta of a chain to the weights of a full push gives, bit for bit, the cast of the
   latest master weights, i.e. what a full push of that version carries (``full()``);
 - the shadow changes only inside ``update``; after it, ``full()`` is the new version's weights;
+- ``where="device"``: a second shadow lives on the master weights' device (the GPU next to them)
+  and the compare runs there with torch; only the changed elements (indices + values) cross to the
+  host, where the host shadow (what full pushes send) is patched. Both paths give the same shadow
+  bits and decode to the same weights (tests/unit/test_weights_delta.py); which is faster on a GPU
+  is measured by ``bench.gpu`` (weights section) before a default changes: today "host";
 - a SPARSE payload is accepted only if its size matches ``changed``, its indices are strictly
   ascending and inside the tensor, and its dtype is the served tensor's; ``SparsePatch.validate``
   runs for every patch of a push before any ``apply`` touches a served weight.
@@ -26,6 +31,7 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -95,9 +101,11 @@ class DeltaEncoder:
 
     dtype: torch.dtype
     threads: int = 2
+    where: Literal["host", "device"] = "host"  # where the compare runs (see the module docstring)
     lineage: str = field(default_factory=new_lineage)
     version: int | None = None  # version the shadow holds; None = nothing encoded yet
     _shadow: dict[str, torch.Tensor] = field(default_factory=dict)
+    _device_shadow: dict[str, torch.Tensor] = field(default_factory=dict)  # where="device" only
     _local: threading.local = field(default_factory=threading.local)
     _pool: ThreadPoolExecutor | None = None
 
@@ -116,14 +124,20 @@ class DeltaEncoder:
             tuple(t.shape) == tuple(self._shadow[n].shape) for n, t in items)
         if not same:
             self._shadow = {n: t.to(device="cpu", dtype=self.dtype, copy=True).contiguous() for n, t in items}
+            self._device_shadow = ({n: t.to(dtype=self.dtype, copy=True).contiguous() for n, t in items}
+                                   if self.where == "device" else {})
         elif not compare:
             for n, t in items:
                 self._shadow[n].copy_(t)
+                if n in self._device_shadow:
+                    self._device_shadow[n].copy_(t)
         if not same or not compare:
             self.version = version
             return None
         assert self.version is not None
         base, self.version = self.version, version
+        if self._device_shadow:
+            return self._finish(base, version, items, {n: [self._on_device(n, t)] for n, t in items}, start)
         tasks = [(name, master, lo, min(lo + CHUNK_ELEMENTS, master.numel()))
                  for name, master in items for lo in range(0, master.numel(), CHUNK_ELEMENTS)]
         if self._pool is None:
@@ -133,6 +147,10 @@ class DeltaEncoder:
         by_name: dict[str, list[_Chunk]] = {}
         for (name, *_), chunk in zip(tasks, chunks, strict=True):
             by_name.setdefault(name, []).append(chunk)
+        return self._finish(base, version, items, by_name, start)
+
+    def _finish(self, base: int, version: int, items: list[tuple[str, torch.Tensor]],
+                by_name: dict[str, list[_Chunk]], start: float) -> EncodedDelta:
         tensors, elements, changed, full_bytes = [], 0, 0, 0
         for name, _ in items:
             shadow = self._shadow[name]
@@ -173,6 +191,28 @@ class DeltaEncoder:
         index = idx.astype(np.uint32)
         index += lo
         return _Chunk(count, False, index, values)
+
+    def _on_device(self, name: str, master: torch.Tensor) -> _Chunk:
+        """The compare of one tensor where its shadow lives (torch); patches the host shadow too."""
+        old = self._device_shadow[name].reshape(-1)
+        new = master.reshape(-1).to(self.dtype)
+        tdt, _ = _INT_VIEWS[old.element_size()]
+        ob, nb = old.view(tdt), new.view(tdt)
+        idx = (nb != ob).nonzero().reshape(-1)  # the one host sync of the tensor
+        count = idx.numel()
+        if count == 0:
+            return _Chunk(0, False)
+        host, item = int_view(self._shadow[name]), old.element_size()
+        if count * (INDEX_BYTES + item) >= SPARSE_MAX_FRACTION * old.numel() * item:
+            ob.copy_(nb)
+            host[:] = nb.cpu().numpy()
+            return _Chunk(count, True)
+        values = nb[idx]
+        ob[idx] = values
+        index = idx.to(torch.int32 if old.numel() < 2**31 else torch.int64).cpu().numpy().astype(np.uint32)
+        values_h = values.cpu().numpy()
+        host[index] = values_h
+        return _Chunk(count, False, index, values_h)
 
     @staticmethod
     def _wire(name: str, shadow: torch.Tensor, chunks: list[_Chunk]) -> WireTensor | None:
