@@ -34,7 +34,8 @@ def serve(
 
     cfg = _config(config, set_, host=host, port=port)
     setup_logging(cfg.log_level)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, access_log=False)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                **cfg.security.uvicorn_kwargs())
 
 
 @app.command("grade")

@@ -14,6 +14,8 @@ from pydantic import Field, model_validator
 
 from services.chat.format import ChatFormat
 from services.common.config import ConfigError, StrictModel
+from services.common.queue import RedisAuth
+from services.common.security import ClientSecurity, ServerSecurity, TLSServerFiles
 
 
 class AgentConfig(ChatFormat):
@@ -39,6 +41,7 @@ class AgentConfig(ChatFormat):
 
 class RedisWorkerConfig(StrictModel):
     url: str | None = Field(None, description="redis://host:port/db; unset = no queue worker")
+    auth: RedisAuth = Field(default_factory=RedisAuth, description="ACL user, password and TLS")
     prompts_stream: str = "retool:prompts"
     groups_stream: str = "retool:groups"
     group: str = Field("rollout", description="consumer group of the prompts stream")
@@ -79,6 +82,15 @@ class RolloutConfig(StrictModel):
     reward_url: str | None = Field(None, description="reward service; unset = trajectories unscored")
     weight_token_env: str | None = Field("RETOOL_WEIGHT_TOKEN", description="env var holding the token")
     weight_token_file: str | None = Field(None, description="file holding the weight-push token")
+    weight_tls: TLSServerFiles | None = Field(None, description="serve the weight push over TLS only "
+                                              "(mutual TLS with client_ca_file)")
+    security: ServerSecurity = Field(default_factory=ServerSecurity, description=(
+        "bearer token (and optional HTTPS) for every HTTP route (/v1/rollouts, /v1/chat/completions, "
+        "...) but /healthz and /metrics"))
+    sandbox_security: ClientSecurity = Field(default_factory=ClientSecurity,
+                                             description="token and TLS to reach the sandbox")
+    reward_security: ClientSecurity = Field(default_factory=ClientSecurity,
+                                            description="token and TLS to reach the reward service")
     max_n: int = Field(64, ge=1, description="largest n accepted per request")
     max_prompt_tokens: int = Field(4096, ge=1, description="longer prompts are refused (422 / dead letter)")
     max_concurrent_requests: int = Field(64, ge=1)

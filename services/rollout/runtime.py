@@ -82,7 +82,8 @@ def run_server(cfg: RolloutConfig) -> None:
         },
     )
     app = create_app(cfg, engine, tokenizer, weight_token=token, weight_server_factory=factory)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                **cfg.security.uvicorn_kwargs())
 
 
 def push_weights(

@@ -28,9 +28,11 @@ def retry_after_s(response: httpx.Response, default: float = 1.0) -> float:
 
 
 class RewardClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 30.0,
+                 client_kwargs: dict[str, Any] | None = None) -> None:
+        """``client_kwargs``: extra ``httpx.AsyncClient`` arguments (bearer token header, TLS CA)."""
         self.timeout_s = timeout_s
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, **(client_kwargs or {}))
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """POST, waiting out 503s as told by ``Retry-After`` within ``timeout_s`` overall."""
