@@ -5,8 +5,9 @@ Invariants:
   for probes, ``/metrics`` for scrapers: neither carries a secret nor changes anything) must carry
   ``Authorization: Bearer <token>``; anything else is answered 401 with ``WWW-Authenticate:
   Bearer`` before the application sees it (a WebSocket is closed with 1008 instead);
-- the comparison is constant-time (``hmac.compare_digest``); the token and the presented header
-  are never logged nor echoed; refusals are counted by the caller's optional ``on_refused``;
+- the server holds only the token's SHA-256 and compares it with the SHA-256 of what was presented,
+  in constant time (``hmac.compare_digest``); the token and the presented header are never logged
+  nor echoed; refusals are counted by the caller's optional ``on_refused``;
 - with no token (``None``) the middleware is not installed at all: loopback-only deployments keep
   their behaviour (``ServerSecurity.require_token`` turns a missing token into a start error).
 
@@ -15,6 +16,7 @@ A pure ASGI middleware, not ``BaseHTTPMiddleware``: streamed answers (SSE) pass 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -33,22 +35,24 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/healthz", "/metrics"})
 
 
-def bearer_ok(headers: Iterable[tuple[bytes, bytes]], token: bytes) -> bool:
-    """Whether the ``authorization`` header is exactly ``Bearer <token>`` (case-insensitive scheme)."""
+def bearer_ok(headers: Iterable[tuple[bytes, bytes]], digest: bytes) -> bool:
+    """Whether the ``authorization`` header is ``Bearer <token>`` (case-insensitive scheme) with
+    ``sha256(token) == digest``."""
     for key, value in headers:
         if key.lower() == b"authorization":
             scheme, _, given = value.partition(b" ")
-            return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), token)
+            return scheme.lower() == b"bearer" and hmac.compare_digest(
+                hashlib.sha256(given.strip()).digest(), digest)
     return False
 
 
 class BearerAuth:
-    def __init__(self, app: ASGIApp, token: str, open_paths: frozenset[str] = OPEN_PATHS,
+    def __init__(self, app: ASGIApp, digest: bytes, open_paths: frozenset[str] = OPEN_PATHS,
                  on_refused: Callable[[], None] | None = None) -> None:
-        if not token:
-            raise ValueError("token: a bearer-token door needs a non-empty token")
+        if len(digest) != 32:
+            raise ValueError("digest: a bearer-token door needs the token's SHA-256 (32 bytes)")
         self.app = app
-        self._token = token.encode()
+        self._digest = digest
         self.open_paths = open_paths
         self.on_refused = on_refused
 
@@ -56,7 +60,7 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket") or scope.get("path") in self.open_paths:
             await self.app(scope, receive, send)
             return
-        if bearer_ok(scope.get("headers") or (), self._token):
+        if bearer_ok(scope.get("headers") or (), self._digest):
             await self.app(scope, receive, send)
             return
         if self.on_refused is not None:
@@ -73,14 +77,14 @@ class BearerAuth:
         await send({"type": "http.response.body", "body": body})
 
 
-def protect(app: FastAPI, security: ServerSecurity, registry: MetricsRegistry | None = None) -> str | None:
+def protect(app: FastAPI, security: ServerSecurity, registry: MetricsRegistry | None = None) -> bool:
     """Install the bearer door on ``app`` when ``security`` has a token (outermost: before any route
-    runs); refusals are counted in ``<prefix>_unauthorized_requests_total``. Returns the token (or
-    None); raises ``ConfigError`` when a required token is missing."""
-    token = security.read_token("security")
-    if token:
+    runs); refusals are counted in ``<prefix>_unauthorized_requests_total``. Returns whether a door
+    was installed; raises ``ConfigError`` when a required token is missing."""
+    digest = security.read_digest("security")
+    if digest is not None:
         refused = (registry.counter("unauthorized_requests_total",
                                     "Requests refused: no or wrong bearer token")
                    if registry is not None else None)
-        app.add_middleware(BearerAuth, token=token, on_refused=refused.inc if refused is not None else None)
-    return token
+        app.add_middleware(BearerAuth, digest=digest, on_refused=refused.inc if refused is not None else None)
+    return digest is not None

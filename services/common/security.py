@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
 from pathlib import Path
@@ -103,21 +104,46 @@ class TLSClientFiles(StrictModel):
         return ctx
 
 
+def token_digest(token: str) -> bytes:
+    """What a server keeps of a bearer token: its SHA-256 (a 256-bit random token cannot be recovered
+    from it, so a file holding it may sit where untrusted code can read it: the sandbox)."""
+    return hashlib.sha256(token.encode()).digest()
+
+
 class ServerSecurity(StrictModel):
     """An HTTP service's door: a bearer token and/or TLS. ``/healthz`` and ``/metrics`` stay open
     (probes and scrapers; they carry no secrets), every other route needs the token when one is set."""
 
     token: SecretRef = Field(default_factory=SecretRef, description="bearer token clients must send")
+    token_sha256: SecretRef = Field(
+        default_factory=SecretRef, description="instead of token: the hex SHA-256 of the token (what "
+        "`retool secrets init` writes as <name>-token.sha256), for a server whose files untrusted code "
+        "can read")
     require_token: bool = Field(
         False, description="refuse to start without a token (the multi-machine and Kubernetes defaults)")
     tls: TLSServerFiles | None = Field(None, description="serve HTTPS with this certificate")
 
-    def read_token(self, what: str) -> str | None:
+    def read_digest(self, what: str) -> bytes | None:
+        """SHA-256 of the token clients must send; None = no door (refused when ``require_token``)."""
         token = self.token.read(f"{what}.token")
-        if token is None and self.require_token:
-            raise ConfigError(f"{what}.require_token: no bearer token configured ({what}.token.file or "
-                              f"{what}.token.env): refusing to serve without authentication")
-        return token
+        hexed = self.token_sha256.read(f"{what}.token_sha256")
+        if token is not None and hexed is not None:
+            raise ConfigError(f"{what}: set token or token_sha256, not both")
+        if hexed is not None:
+            try:
+                digest = bytes.fromhex(hexed)
+            except ValueError:
+                digest = b""
+            if len(digest) != 32:
+                raise ConfigError(f"{what}.token_sha256: expected 64 hex characters (a SHA-256)")
+            return digest
+        if token is None:
+            if self.require_token:
+                raise ConfigError(f"{what}.require_token: no bearer token configured ({what}.token.file, "
+                                  f"{what}.token.env or {what}.token_sha256.file): refusing to serve "
+                                  "without authentication")
+            return None
+        return token_digest(token)
 
 
     def uvicorn_kwargs(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@ Writes into one directory (the compose override and the Kubernetes Secrets read 
   certificates (serverAuth) for the compose names, the Kubernetes names in ``namespace`` and every
   ``--san`` (node addresses, DNS names), plus ``localhost`` / ``127.0.0.1`` for health checks;
 - ``trainer.crt/.key``: the trainer's client certificate (clientAuth) for the mutual-TLS push;
-- ``weight-token``, ``rollout-token``, ``sandbox-token``, ``reward-token``: bearer tokens;
+- ``weight-token``, ``rollout-token``, ``sandbox-token``, ``reward-token``: bearer tokens, and
+  ``<name>.sha256`` beside each: what a server may hold instead (the sandbox does: model-written
+  code can read its container's files, and the hash does not authenticate anyone);
 - ``redis-trainer-password``, ``redis-rollout-password``, ``redis-health-password`` and
   ``redis-users.acl``: the Redis ACL with those users' SHA-256 password hashes (never the
   passwords) and least privilege on the streams (``redis_acl``).
@@ -26,6 +28,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from services.common.security import token_digest
 from services.stack.redis_acl import acl_file
 
 SERVER_NAMES = ("redis", "rollout", "sandbox", "reward")
@@ -143,7 +146,9 @@ def init_secrets(out: Path, *, sans: list[str] | None = None, namespace: str = "
     key, cert = issue(ca_key, ca_cert, "trainer", [], client=True)
     write_pair(out, "trainer", key, cert)
     for name in TOKENS:
-        (out / name).write_text(secrets.token_urlsafe(32) + "\n")
+        token = secrets.token_urlsafe(32)
+        (out / name).write_text(token + "\n")
+        (out / f"{name}.sha256").write_text(token_digest(token).hex() + "\n")
     passwords = {user: secrets.token_urlsafe(32) for user in REDIS_USERS}
     for user, password in passwords.items():
         (out / f"redis-{user}-password").write_text(password + "\n")

@@ -230,7 +230,8 @@ def tokens(pki: PKI) -> dict[str, str]:
 def secure_sandbox(pki: PKI, tmp_path_factory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("secure-sandbox") / "sandbox.log"
     args = ["--set", "max_concurrency=4", "--set", "zygotes=1", "--set", "light_zygotes=1",
-            "--set", "heavy_zygotes=0", "--set", f"security.token.file={pki.path('sandbox-token')}",
+            "--set", "heavy_zygotes=0",
+            "--set", f"security.token_sha256.file={pki.path('sandbox-token.sha256')}",
             "--set", "security.require_token=true"]
     with SandboxProcess(args, log_path=str(log)) as proc:
         yield proc.url
@@ -350,4 +351,4 @@ def test_a_required_token_that_is_missing_stops_the_service_before_it_serves(tmp
     empty = tmp_path / "empty-token"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="is empty"):
-        ServerSecurity(token=SecretRef(file=str(empty))).read_token("security")
+        ServerSecurity(token=SecretRef(file=str(empty))).read_digest("security")
