@@ -11,7 +11,8 @@ Writes into one directory (the compose override and the Kubernetes Secrets read 
   code can read its container's files, and the hash does not authenticate anyone);
 - ``redis-trainer-password``, ``redis-rollout-password``, ``redis-health-password`` and
   ``redis-users.acl``: the Redis ACL with those users' SHA-256 password hashes (never the
-  passwords) and least privilege on the streams (``redis_acl``).
+  passwords) and least privilege on the streams (``redis_acl``);
+- ``grafana-admin-password`` (Kubernetes: the retool-grafana Secret).
 
 Invariants: secrets come from ``secrets.token_urlsafe`` (256 bits); the directory is created 0700
 and ``ca.key`` is 0600; the other files are 0644 *inside* that private directory, so the
@@ -153,6 +154,7 @@ def init_secrets(out: Path, *, sans: list[str] | None = None, namespace: str = "
     for user, password in passwords.items():
         (out / f"redis-{user}-password").write_text(password + "\n")
     (out / "redis-users.acl").write_text(acl_file(passwords, prompts_stream, groups_stream))
+    (out / "grafana-admin-password").write_text(secrets.token_urlsafe(18) + "\n")
     for path in out.iterdir():
         path.chmod(0o600 if path.name == "ca.key" else 0o644)
     return sorted(p.name for p in out.iterdir())
