@@ -97,7 +97,7 @@ async def http_try(name, method, url, **kw):
         async with httpx.AsyncClient(verify=verify, timeout=180) as c:
             r = await c.request(method, url, **kw)
         out[name] = r.status_code
-        out[name + ":body"] = r.text[:400]
+        out[name + ":body"] = r.text if "scored" in name else r.text[:400]
     except Exception as exc:
         out[name] = f"{type(exc).__name__}: {str(exc)[:160]}"
 
@@ -124,7 +124,7 @@ async def main():
     await push_try("push: trainer certificate, wrong token", channel(S + "ca", D + "trainer"), "guessed")
     await push_try("push: trainer certificate and token (control)", channel(S + "ca", D + "trainer"), token)
 
-    chat = {"model": "policy", "messages": [{"role": "user", "content": "What is 6*7?"}], "max_tokens": 8}
+    chat = {"model": "/models/policy", "messages": [{"role": "user", "content": "What is 6*7?"}], "max_tokens": 8}
     rollout = "https://rollout-cpu:8000"
     bearer = lambda t: {"Authorization": f"Bearer {t}"}
     await http_try("chat: no token", "POST", rollout + "/v1/chat/completions", json=chat)

@@ -211,11 +211,11 @@ def _prometheus(c: Compose, path: str) -> dict:
 
 def _check_doors(out: dict) -> None:
     refused_redis = {"redis: TLS, no user": ("NOAUTH", "authenticated"),
-                     "redis: wrong password": ("WRONGPASS",),
-                     "redis: plain text": ("Error", "Connection", "reset", "closed"),
+                     "redis: wrong password": ("WRONGPASS", "invalid username-password"),
+                     "redis: plain text": ("ConnectionError",),
                      "redis: server from another CA": ("certificate verify failed",),
-                     "redis: client certificate from another CA": ("Error", "Connection", "reset", "closed"),
-                     "redis: rollout user adds a prompt": ("NOPERM",)}
+                     "redis: client certificate from another CA": ("UNKNOWN_CA", "unknown ca"),
+                     "redis: rollout user adds a prompt": ("NoPermissionError", "NOPERM")}
     for name, words in refused_redis.items():
         assert out[name] != "accepted" and any(w in out[name] for w in words), (name, out[name])
     assert out["redis: trainer user adds a prompt (control)"] == "accepted", out
@@ -228,7 +228,7 @@ def _check_doors(out: dict) -> None:
     for name in ("chat: no token", "chat: wrong token", "run_code: no token", "run_code: wrong token",
                  "run_code: the rollout token", "score: no token"):
         assert out[name] == 401, (name, out[name], out.get(name + ":body"))
-    assert "Error" in str(out["chat: plain HTTP"]) or out["chat: plain HTTP"] == 400, out["chat: plain HTTP"]
+    assert "Error" in str(out["chat: plain HTTP"]), out["chat: plain HTTP"]  # no answer in plain text
     assert "CERTIFICATE_VERIFY_FAILED" in str(out["chat: server from another CA"]), out
     assert out["chat: token (control)"] == 200, out.get("chat: token (control):body")
     assert out["run_code: sandbox token (control)"] == 200, out
@@ -264,6 +264,7 @@ def test_secure_multinode_deployment_with_a_two_node_trainer(tmp_path_factory):
         trainer["password"] = (sec / "redis-trainer-password").read_text().strip()
         doors = DOORS.replace("ROGUE_PEMS", repr(rogue)).replace("TRAINER_SECRETS", repr(trainer))
         out = c.json_from("rollout-cpu", doors, timeout=600)
+        print(json.dumps(out, indent=1)[:20000])
         _check_doors(out)  # type: ignore[arg-type]
         scored = json.loads(out["rollouts: token, scored (control):body"])  # type: ignore[index]
         assert all(t["reward"] is not None for t in scored["trajectories"]), scored
@@ -287,16 +288,21 @@ def test_secure_multinode_deployment_with_a_two_node_trainer(tmp_path_factory):
         assert steps_now - 1 <= state["pushes"] <= steps_now + 1, (state, steps_now)  # type: ignore[index]
         assert state["version"] >= MIN_STEPS, state  # type: ignore[index]
         two, ref = _metrics(paths["runs-node0"]), _metrics(paths["runs-ref"])
-        for a, b in zip(two[:MIN_STEPS], ref[:MIN_STEPS], strict=True):
+        compared = min(len(two), len(ref))
+        assert compared >= MIN_STEPS
+        for a, b in zip(two[:compared], ref[:compared], strict=True):
             assert a["step"] == b["step"]
             for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key, a[key], b[key])
+        print("pg_loss two nodes / one node:", [(a["actor/pg_loss"], b["actor/pg_loss"])
+                                                for a, b in zip(two[:compared], ref[:compared], strict=True)])
         ckpts = sorted(p for p in paths["ckpt-2n"].iterdir() if p.name.startswith("step_"))
         assert ckpts, list(paths["ckpt-2n"].iterdir())
         meta = json.loads((ckpts[-1] / "meta.json").read_text())
         shards = sorted(p.name for p in (ckpts[-1] / "state").glob("*.distcp"))
         assert meta["world_size"] == 2 and shards == ["__0_0.distcp", "__1_0.distcp"], (meta, shards)
-        phases.done(f"two-node trainer: {steps_now} steps, losses equal the one-node run, sharded checkpoint")
+        phases.done(f"two-node trainer: {steps_now} steps, losses of {compared} steps equal the one-node "
+                    "run's, sharded checkpoint")
         c.cmd("stop", "--timeout", "20", "trainer-ref", timeout=120, check=False)
 
         # 5. kill node 1: node 0 fails the step loudly, within a deadline
@@ -310,6 +316,7 @@ def test_secure_multinode_deployment_with_a_two_node_trainer(tmp_path_factory):
         assert state0.get("ExitCode") not in (0, None), state0
         log0 = c.logs("trainer-node0", 400)
         assert "ChildFailedError" in log0 or "failed" in log0.lower(), log0[-3000:]
+        print("node 0's error:", [line for line in log0.splitlines() if "Error" in line][:5])
         phases.done(f"node 1 killed at step ~{before_kill}: node 0 exited {state0.get('ExitCode')} "
                     f"after {failed_after:.0f} s")
 
