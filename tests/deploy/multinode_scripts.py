@@ -124,7 +124,8 @@ async def main():
     await push_try("push: trainer certificate, wrong token", channel(S + "ca", D + "trainer"), "guessed")
     await push_try("push: trainer certificate and token (control)", channel(S + "ca", D + "trainer"), token)
 
-    chat = {"model": "/models/policy", "messages": [{"role": "user", "content": "What is 6*7?"}], "max_tokens": 8}
+    chat = {"model": "/models/policy", "messages": [{"role": "user", "content": "What is 6*7?"}],
+            "max_tokens": 8}
     rollout = "https://rollout-cpu:8000"
     bearer = lambda t: {"Authorization": f"Bearer {t}"}
     await http_try("chat: no token", "POST", rollout + "/v1/chat/completions", json=chat)
