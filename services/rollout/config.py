@@ -6,16 +6,14 @@ line; only the *name* of an environment variable or the *path* of a file that ho
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.chat.format import ChatFormat
-from services.common.config import ConfigError, StrictModel
+from services.common.config import StrictModel
 from services.common.queue import RedisAuth
-from services.common.security import ClientSecurity, ServerSecurity, TLSServerFiles
+from services.common.security import ClientSecurity, ServerSecurity, TLSServerFiles, read_secret
 
 
 class AgentConfig(ChatFormat):
@@ -100,15 +98,4 @@ class RolloutConfig(StrictModel):
 
 def read_weight_token(cfg: RolloutConfig) -> str | None:
     """The weight-push token from the file or env var named in the config (never logged)."""
-    if cfg.weight_token_file:
-        path = Path(cfg.weight_token_file)
-        if not path.is_file():
-            raise ConfigError(f"weight_token_file {path} does not exist")
-        token = path.read_text().strip()
-        if not token:
-            raise ConfigError(f"weight_token_file {path} is empty")
-        return token
-    if cfg.weight_token_env:
-        token = os.environ.get(cfg.weight_token_env, "").strip()
-        return token or None
-    return None
+    return read_secret(cfg.weight_token_file, cfg.weight_token_env, "weight_token_file")

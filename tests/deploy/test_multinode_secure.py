@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -45,21 +44,15 @@ import yaml
 
 from services.common.files import make_world_readable
 from services.demo.task import rl_rows, write_parquet
-from tests.deploy.engine import REPO, Compose, Phases, run, wait_for
-from tests.deploy.engine import require_engine as _require_engine
+from tests.deploy.engine import REPO, Compose, Phases, build_image, require_engine, wait_for
 from tests.deploy.multinode_scripts import DOORS, PRODUCER
+from tests.deploy.test_compose_smoke import _free_port, _prometheus
 from tests.helpers.secure import mint
 
 pytestmark = pytest.mark.integration
 IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
 MIN_STEPS = 3
 TRAINER_TIMEOUT_S = 150  # fsdp.timeout_s: > group_wait_s + weight_push_wait_s (checked by RunConfig)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir(path: Path) -> Path:
@@ -200,15 +193,6 @@ print(json.dumps({"version": version, "pushes": float(pushes.group(1))}))
 """
 
 
-def _prometheus(c: Compose, path: str) -> dict:
-    import urllib.request
-
-    port = next(line.split("=", 1)[1] for line in c.env_file.read_text().splitlines()
-                if line.startswith("PROMETHEUS_PORT="))
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-        return json.loads(r.read())
-
-
 def _check_doors(out: dict) -> None:
     refused_redis = {"redis: TLS, no user": ("NOAUTH", "authenticated"),
                      "redis: wrong password": ("WRONGPASS", "invalid username-password"),
@@ -239,12 +223,11 @@ def _check_doors(out: dict) -> None:
 
 @pytest.mark.timeout(2400)
 def test_secure_multinode_deployment_with_a_two_node_trainer(tmp_path_factory):
-    _require_engine()
+    require_engine()
     phases = Phases()
+    build_image(IMAGE)
     tmp = tmp_path_factory.mktemp("multinode")
     tmp.chmod(0o755)
-    run(["env", "DOCKER_BUILDKIT=0", "docker", "build", "--network", "host", "-f", "deploy/docker/Dockerfile",
-         "-t", IMAGE, "."], timeout=1800)
     paths = _prepare(tmp)
     c = _compose(tmp, paths)
     phases.done("build (cached), tiny model, data, secrets")
