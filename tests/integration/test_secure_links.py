@@ -19,6 +19,7 @@ The same doors under Docker, across containers, are tests/deploy/test_multinode_
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -212,6 +213,20 @@ async def test_weight_push_over_mutual_tls_and_every_other_client_refused(pki, t
             want = "UNAUTHENTICATED" if token != TOKEN else "UNAVAILABLE"
             assert outcome.startswith(want), (what, outcome)
             assert engine.version == 7, what  # the served weights are those of the last good push
+        # the operator's manual push (`retool rollout push-weights`) over the same mutual TLS
+        token_file = pki.dir / "cli-weight-token"
+        token_file.write_text(TOKEN)
+        cli = [sys.executable, "-m", "services.cli", "rollout", "push-weights", "--checkpoint", str(model),
+               "--target", target, "--version", "9", "--token-file", str(token_file)]
+        tls_args = ["--ca-file", pki.path("ca.crt"), "--cert-file", pki.path("trainer.crt"),
+                    "--key-file", pki.path("trainer.key"), "--server-name", "rollout"]
+        for args, want_rc in ((cli, 1), (cli + tls_args, 0)):  # plain text refused; TLS lands
+            proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 300)
+            assert proc.returncode == want_rc, (args[-1], out.decode()[-500:], err.decode()[-1500:])
+            assert TOKEN not in out.decode() + err.decode()
+        assert engine.version == 9
     finally:
         await server.stop(None)
         server.servicer.close()
