@@ -23,6 +23,7 @@ def _register() -> None:
     from services.reward import cli as reward_cli
     from services.rollout import cli as rollout_cli
     from services.sandbox import cli as sandbox_cli
+    from services.stack import secrets_cli
     from services.trainer import cli as trainer_cli
     from services.trainer.sft import cli as sft_cli
 
@@ -33,6 +34,7 @@ def _register() -> None:
     app.add_typer(sft_cli.app, name="sft", help="Multi-turn SFT on tool-use traces (FSDP), HF export.")
     app.add_typer(data_cli.app, name="data", help="Prepare DAPO-Math-17k, ReTool-SFT and AIME files.")
     app.add_typer(model_cli.app, name="model", help="Build tiny models and tokenizers locally.")
+    app.add_typer(secrets_cli.app, name="secrets", help="Mint the CA, certificates, tokens and Redis ACL.")
     app.command("eval", help="Evaluate a model: mean/maj/best/worst@k, turns, tool use.")(
         eval_cli.eval_command)
     app.command("demo", help="The main job: a tiny model learns by GRPO to use the code tool.")(demo.run)

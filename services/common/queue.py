@@ -11,6 +11,11 @@ Delivery is at-least-once:
   written. A consumer wrongly presumed dead may still finish, so a result can appear twice;
   readers dedupe on the payload's id (for groups: ``job_id``).
 Payloads are opaque bytes (msgpack, see services/common/schemas.py) under the field ``d``.
+
+Across machines the connection is authenticated and encrypted (``RedisAuth``): an ACL user and its
+password (read from a file or an env var, never from the URL or a command line) and TLS, verified
+against a CA; TLS files upgrade a ``redis://`` URL to TLS, so a deployment that mounts them can
+never fall back to plain text.
 """
 
 from __future__ import annotations
@@ -18,7 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from pydantic import Field, model_validator
 from redis.exceptions import ResponseError
+
+from services.common.config import ConfigError, StrictModel
+from services.common.security import SecretRef, TLSClientFiles
 
 FIELD = b"d"
 
@@ -30,9 +39,41 @@ class StreamMessage:
     deliveries: int = 1  # known after ``claim_stale``: how often the group delivered this entry
 
 
-def connect(url: str) -> aioredis.Redis:
-    """A client for ``redis://host:port/db`` (bytes responses)."""
-    return aioredis.Redis.from_url(url, decode_responses=False)
+class RedisAuth(StrictModel):
+    """Who a client is to Redis (an ACL user) and how it checks the server (TLS)."""
+
+    username: str | None = Field(None, description="ACL user (deploy/: 'trainer' or 'rollout')")
+    password: SecretRef = Field(default_factory=SecretRef, description="that user's password")
+    tls: TLSClientFiles | None = Field(None, description="TLS to Redis (rediss://), verified with ca_file")
+
+    @model_validator(mode="after")
+    def _no_server_name(self) -> RedisAuth:
+        if self.tls is not None and self.tls.server_name:
+            raise ValueError("tls.server_name: not supported for Redis; the certificate is checked "
+                             "against the host of the URL")
+        return self
+
+
+def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:
+    """A client for ``redis[s]://host:port/db`` (bytes responses), as ``auth``'s user over its TLS."""
+    if auth is None:
+        return aioredis.Redis.from_url(url, decode_responses=False)
+    if "@" in url.split("//", 1)[-1].split("/", 1)[0]:
+        raise ConfigError("redis url: put no credentials in the URL; use the auth settings "
+                          "(username, password.file)")
+    kwargs: dict[str, object] = {}
+    password = auth.password.read("redis auth.password")
+    if auth.username:
+        kwargs["username"] = auth.username
+    if password:
+        kwargs["password"] = password
+    if auth.tls is not None:
+        if url.startswith("redis://"):
+            url = "rediss://" + url[len("redis://"):]
+        kwargs.update(ssl_ca_certs=auth.tls.ca_file, ssl_check_hostname=True, ssl_cert_reqs="required")
+        if auth.tls.cert_file:
+            kwargs.update(ssl_certfile=auth.tls.cert_file, ssl_keyfile=auth.tls.key_file)
+    return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
 
 
 def _id(raw: bytes | str) -> str:

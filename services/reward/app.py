@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.http_auth import protect
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.reward.config import RewardConfig
 from services.reward.grader import Grader, Overloaded, Reason
@@ -95,6 +96,7 @@ def create_app(cfg: RewardConfig) -> FastAPI:
             await grader.stop()
 
     app = FastAPI(title="retool reward", version="0.1.0", lifespan=lifespan)
+    protect(app, cfg.security, metrics.registry)
     add_observability_routes(
         app,
         metrics.registry,

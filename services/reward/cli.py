@@ -40,7 +40,8 @@ def serve(
     from services.reward.app import create_app
 
     setup_logging(cfg.log_level)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, access_log=False)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                **cfg.security.uvicorn_kwargs())
 
 
 @app.command("grade")

@@ -7,6 +7,7 @@ import os
 from pydantic import Field
 
 from services.common.config import StrictModel
+from services.common.security import ServerSecurity
 
 
 class ShapingConfig(StrictModel):
@@ -49,3 +50,6 @@ class RewardConfig(StrictModel):
         "incorrect, reason timeout"
     )
     shaping: ShapingConfig = ShapingConfig()
+    security: ServerSecurity = Field(
+        default_factory=ServerSecurity,
+        description="bearer token (and optional TLS) every route but /healthz and /metrics requires")

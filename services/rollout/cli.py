@@ -63,8 +63,19 @@ def push_weights(
     version: int | None = typer.Option(None, help="policy version to announce"),
     token_env: str = typer.Option("RETOOL_WEIGHT_TOKEN", help="NAME of the env var holding the token"),
     token_file: Path | None = typer.Option(None, help="file holding the token (instead of the env var)"),
+    ca_file: Path | None = typer.Option(None, help="push over TLS: the CA of the replicas' certificates"),
+    cert_file: Path | None = typer.Option(None, help="client certificate (replicas requiring mutual TLS)"),
+    key_file: Path | None = typer.Option(None, help="client private key (with --cert-file)"),
+    server_name: str | None = typer.Option(None, help="name the replicas' certificates carry (e.g. rollout)"),
 ) -> None:
-    """Stream a checkpoint's weights to rollout replicas over gRPC."""
+    """Stream a checkpoint's weights to rollout replicas over gRPC (TLS with --ca-file)."""
+    from services.common.security import TLSClientFiles
     from services.rollout.runtime import push_weights as do_push
 
-    do_push(checkpoint, target, version=version, token_env=token_env, token_file=token_file)
+    tls = None
+    if ca_file is not None:
+        tls = TLSClientFiles(ca_file=str(ca_file), cert_file=str(cert_file) if cert_file else None,
+                             key_file=str(key_file) if key_file else None, server_name=server_name)
+    elif cert_file or key_file or server_name:
+        raise typer.BadParameter("needs --ca-file (TLS)", param_hint="--cert-file/--key-file/--server-name")
+    do_push(checkpoint, target, version=version, token_env=token_env, token_file=token_file, tls=tls)

@@ -6,14 +6,14 @@ line; only the *name* of an environment variable or the *path* of a file that ho
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from services.chat.format import ChatFormat
-from services.common.config import ConfigError, StrictModel
+from services.common.config import StrictModel
+from services.common.queue import RedisAuth
+from services.common.security import ClientSecurity, ServerSecurity, TLSServerFiles, read_secret
 
 
 class AgentConfig(ChatFormat):
@@ -42,6 +42,7 @@ class AgentConfig(ChatFormat):
 
 class RedisWorkerConfig(StrictModel):
     url: str | None = Field(None, description="redis://host:port/db; unset = no queue worker")
+    auth: RedisAuth = Field(default_factory=RedisAuth, description="ACL user, password and TLS")
     prompts_stream: str = "retool:prompts"
     groups_stream: str = "retool:groups"
     group: str = Field("rollout", description="consumer group of the prompts stream")
@@ -82,6 +83,15 @@ class RolloutConfig(StrictModel):
     reward_url: str | None = Field(None, description="reward service; unset = trajectories unscored")
     weight_token_env: str | None = Field("RETOOL_WEIGHT_TOKEN", description="env var holding the token")
     weight_token_file: str | None = Field(None, description="file holding the weight-push token")
+    weight_tls: TLSServerFiles | None = Field(None, description="serve the weight push over TLS only "
+                                              "(mutual TLS with client_ca_file)")
+    security: ServerSecurity = Field(default_factory=ServerSecurity, description=(
+        "bearer token (and optional HTTPS) for every HTTP route (/v1/rollouts, /v1/chat/completions, "
+        "...) but /healthz and /metrics"))
+    sandbox_security: ClientSecurity = Field(default_factory=ClientSecurity,
+                                             description="token and TLS to reach the sandbox")
+    reward_security: ClientSecurity = Field(default_factory=ClientSecurity,
+                                            description="token and TLS to reach the reward service")
     max_n: int = Field(64, ge=1, description="largest n accepted per request")
     max_prompt_tokens: int = Field(4096, ge=1, description="longer prompts are refused (422 / dead letter)")
     max_concurrent_requests: int = Field(64, ge=1)
@@ -91,15 +101,4 @@ class RolloutConfig(StrictModel):
 
 def read_weight_token(cfg: RolloutConfig) -> str | None:
     """The weight-push token from the file or env var named in the config (never logged)."""
-    if cfg.weight_token_file:
-        path = Path(cfg.weight_token_file)
-        if not path.is_file():
-            raise ConfigError(f"weight_token_file {path} does not exist")
-        token = path.read_text().strip()
-        if not token:
-            raise ConfigError(f"weight_token_file {path} is empty")
-        return token
-    if cfg.weight_token_env:
-        token = os.environ.get(cfg.weight_token_env, "").strip()
-        return token or None
-    return None
+    return read_secret(cfg.weight_token_file, cfg.weight_token_env, "weight_token_file")

@@ -8,13 +8,13 @@ in memory only; it is never logged or put on a command line.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError
 from services.common.logging import get_logger, setup_logging
+from services.common.security import TLSClientFiles, read_secret
 from services.rollout.config import RolloutConfig, read_weight_token
 
 log = get_logger("rollout")
@@ -82,31 +82,31 @@ def run_server(cfg: RolloutConfig) -> None:
         },
     )
     app = create_app(cfg, engine, tokenizer, weight_token=token, weight_server_factory=factory)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                **cfg.security.uvicorn_kwargs())
 
 
 def push_weights(
-    checkpoint: Path, targets: list[str], *, version: int | None, token_env: str, token_file: Path | None
+    checkpoint: Path, targets: list[str], *, version: int | None, token_env: str, token_file: Path | None,
+    tls: TLSClientFiles | None = None,
 ) -> Any:
+    """Push a checkpoint; ``tls``: to replicas serving the push over (mutual) TLS."""
     if not checkpoint.is_dir():
         raise ConfigError(f"checkpoint: {checkpoint} is not a directory")
     bad = [t for t in targets if not _TARGET.match(t)]
     if bad:
         raise ConfigError(f"target: {bad} must look like host:port")
-    if token_file is not None:
-        if not token_file.is_file():
-            raise ConfigError(f"token_file: {token_file} does not exist")
-        token = token_file.read_text().strip()
-    else:
-        token = os.environ.get(token_env, "").strip()
+    token = read_secret(str(token_file) if token_file is not None else None, token_env, "token_file")
     if not token:
         raise ConfigError(f"token: set the env var {token_env!r} or pass --token-file")
     import grpc
 
     from services.transport.weights.client import WeightPushError, push_checkpoint
+    from services.transport.weights.tls import ChannelSecurity
 
     try:
-        report = push_checkpoint(str(checkpoint), list(targets), token, version)
+        report = push_checkpoint(str(checkpoint), list(targets), token, version,
+                                 security=ChannelSecurity.from_files(tls))
     except WeightPushError as exc:
         print(json.dumps({"ok": False, "error": str(exc), "targets": exc.results}), flush=True)
         raise SystemExit(1) from None

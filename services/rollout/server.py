@@ -18,6 +18,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.http_auth import protect
 from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
 from services.common.schemas import Group, version_range
@@ -112,13 +113,15 @@ def create_app(
         retries=cfg.agent.sandbox_retries,
         backoff_s=cfg.agent.sandbox_retry_backoff_s,
         retries_counter=metrics.retries,
+        client_kwargs=cfg.sandbox_security.httpx_kwargs("sandbox_security"),
     )
     reward_client = None
     if scorer is None and cfg.reward_url:
         from services.transport.reward.client import RewardClient
 
         reward_client = RewardClient(cfg.reward_url, timeout_s=cfg.agent.reward_timeout_s,
-                                     retries_counter=metrics.retries)
+                                     retries_counter=metrics.retries,
+                                     client_kwargs=cfg.reward_security.httpx_kwargs("reward_security"))
         scorer = reward_client
     agent = AgentLoop(timed, tokenizer, sandbox, cfg.agent, scorer=scorer, observer=metrics)
     state: dict[str, Any] = {"in_flight": 0, "worker": None}
@@ -131,7 +134,7 @@ def create_app(
             from services.common.queue import RedisStream, connect
             from services.rollout.worker import RolloutWorker
 
-            redis_client = connect(cfg.redis.url)
+            redis_client = connect(cfg.redis.url, cfg.redis.auth)
             worker = RolloutWorker(
                 agent,
                 RedisStream(redis_client, cfg.redis.prompts_stream, cfg.redis.group),
@@ -149,8 +152,9 @@ def create_app(
                     "grpc_port is set but no weight-push token was found (weight_token_env / "
                     "weight_token_file)"
                 )
+            tls = {"tls": cfg.weight_tls} if cfg.weight_tls is not None else {}
             weight_server = await weight_server_factory(
-                timed, cfg.host, cfg.grpc_port, weight_token, registry=metrics.registry
+                timed, cfg.host, cfg.grpc_port, weight_token, registry=metrics.registry, **tls
             )
             log.info(
                 "weight-push gRPC server listening", extra={"port": getattr(weight_server, "port", None)}
@@ -171,6 +175,7 @@ def create_app(
             await timed.shutdown()
 
     app = FastAPI(title="retool rollout", version="0.1.0", lifespan=lifespan)
+    protect(app, cfg.security, metrics.registry)
 
     def health() -> dict[str, Any]:
         error = engine_error(engine)

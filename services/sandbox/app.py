@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
+from services.common.http_auth import protect
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import Executor, QueueFull, QueueTimeout
@@ -53,6 +54,7 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
             await executor.stop()
 
     app = FastAPI(title="retool sandbox", version="0.1.0", lifespan=lifespan)
+    protect(app, cfg.security, metrics.registry)
     app.state.executor = executor
 
     def health() -> dict[str, object]:

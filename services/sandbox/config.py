@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from services.common.config import StrictModel
+from services.common.security import ServerSecurity
 
 LIGHT_PRELOAD = (
     "math", "cmath", "fractions", "decimal", "itertools", "functools", "collections", "random",
@@ -67,6 +68,8 @@ class SandboxConfig(StrictModel):
     max_session_idle_ttl_s: float = Field(3600.0, gt=0, description="longer requested TTLs are clamped")
     session_max_lifetime_s: float = Field(7200.0, gt=0, description="a session ends this long after it "
                                           "opened, however busy")
+    security: ServerSecurity = Field(default_factory=ServerSecurity, description=(
+        "bearer token (and optional TLS) every route but /healthz and /metrics requires"))
     require_isolation: bool = Field(
         True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")
 

@@ -17,4 +17,4 @@ def run_server(cfg: SandboxConfig) -> None:
     get_logger("sandbox").info("starting sandbox", extra={"host": cfg.host, "port": cfg.port,
                                                          "max_concurrency": cfg.max_concurrency})
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, access_log=False,
-                timeout_keep_alive=30, backlog=4096)
+                timeout_keep_alive=30, backlog=4096, **cfg.security.uvicorn_kwargs())

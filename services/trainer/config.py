@@ -56,6 +56,9 @@ class FSDPConfig(StrictModel):
     gradient_checkpointing: bool = True
     reshard_after_forward: bool = True
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float | None = Field(
+        None, gt=0, description="collective timeout: a rank that waits longer for its peers (e.g. a dead "
+        "node) fails the step instead of hanging; None = torch's default (NCCL 10 min, gloo 30 min)")
 
 
 class CriticConfig(StrictModel):

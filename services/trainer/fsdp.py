@@ -12,6 +12,7 @@ and averaged over data-parallel ranks (``step.train_step`` scales the loss accor
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import TypeVar
 
 import torch
@@ -40,7 +41,8 @@ def init_distributed(cfg: TrainerConfig) -> tuple[int, int, DeviceMesh]:
     if device_type() == "cuda":  # one GPU per process: torchrun's LOCAL_RANK picks it
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        timeout = {"timeout": timedelta(seconds=cfg.fsdp.timeout_s)} if cfg.fsdp.timeout_s else {}
+        dist.init_process_group(backend=backend, **timeout)
     mesh = init_device_mesh(device_type(), (dp,), mesh_dim_names=("dp",))
     return dist.get_rank(), dist.get_world_size(), mesh
 

@@ -27,16 +27,15 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, ValidationInfo, field_validator
 
-from services.common.config import ConfigError, StrictModel
+from services.common.config import ConfigError
 from services.common.logging import get_logger
-from services.common.schemas import Group, RolloutSampling
+from services.common.schemas import Group
 from services.data.prompt_jobs import load_prompt_jobs
 from services.trainer.batch import Rollout, build_samples
-from services.trainer.config import TrainerConfig
+from services.trainer.run_config import RunConfig  # noqa: F401 - re-exported (retool trainer run)
 from services.trainer.staleness import StalenessManager
-from services.trainer.trackers import Tracker, TrackingConfig, open_trackers
+from services.trainer.trackers import Tracker, open_trackers
 
 log = get_logger("trainer")
 # Fault injection for crash/resume tests: every rank SIGKILLs itself right after this step,
@@ -65,71 +64,6 @@ def planned_steps(max_steps: int | None, prompts: int, epochs: int, batch_prompt
             max_steps, data_steps, prompts, epochs, batch_prompts, data_steps,
         )
     return min(max_steps, data_steps)
-
-
-class RunConfig(StrictModel):
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    dataset: str = Field(..., description="RL parquet from `retool data dapo` (prompt, reward_model columns)")
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    prompts_stream: str = "retool:prompts"
-    groups_stream: str = "retool:groups"
-    consumer_group: str = "trainer"
-    consumer: str = "trainer-0"
-    rollout_targets: list[str] = Field(
-        default_factory=list,
-        description="gRPC host:port of rollout replicas, or dns:host:port (every replica the name "
-        "resolves to, re-resolved on each push)",
-    )
-    weight_token_env: str = Field("RETOOL_WEIGHT_TOKEN", description="NAME of the env var holding the token")
-    weight_bucket_mb: int = Field(4, ge=1, le=64)
-    weight_transport: Literal["grpc", "shm"] = Field(
-        "grpc", description="shm: replicas on this machine (same uid) get the weights through shared "
-        "memory, committed over gRPC (several times faster than the gRPC stream)"
-    )
-    weight_delta: Literal["auto", "off"] = Field(
-        "auto", description="auto: a gRPC push sends a replica that holds the previous version only the "
-        "elements that changed in its serving dtype (full pushes where it cannot apply one, or when "
-        "changes are dense); off: always full pushes"
-    )
-    weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="dtype the weights are pushed in; auto: each replica's serving dtype"
-    )
-    weight_push_wait_s: float | None = Field(
-        120.0, gt=0, description="a weight push waits at most this long for a replica (retries included); "
-        "replicas still unreachable then are skipped (they get a full push later) unless none took the "
-        "push, which fails the step. None: any replica that fails every attempt fails the step"
-    )
-    max_steps: int | None = Field(
-        None, ge=1, description="stop after this many steps (never past the data: see planned_steps)"
-    )
-    sampling: RolloutSampling = Field(default_factory=RolloutSampling)
-    max_turns: int | None = Field(None, ge=0)
-    incorrect_reward: float = Field(
-        -1.0, description="reward of a trajectory the reward service did not score"
-    )
-    metrics_path: str = "runs/trainer/metrics.jsonl"
-    groups_log: str | None = Field(None, description="JSONL of the job ids each step trained on (audit)")
-    metrics_port: int | None = Field(None, ge=0, le=65535)
-    group_wait_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
-    val_dataset: str | None = Field(
-        None, description="validation parquet (`retool data aime`); None = no validation"
-    )
-    rollout_urls: list[str] = Field(
-        default_factory=list,
-        description="rollout HTTP URLs used for validation, or dns:http://host:port (every replica)",
-    )
-    val_sampling: RolloutSampling = Field(default_factory=lambda: RolloutSampling(temperature=1.0, top_p=0.6))
-    val_concurrency: int = Field(8, ge=1, description="validation prompts in flight")
-    tracking: TrackingConfig = Field(
-        default_factory=TrackingConfig, description="optional TensorBoard / Weights & Biases logging"
-    )
-
-    @field_validator("rollout_targets", "rollout_urls")
-    @classmethod
-    def _entries(cls, entries: list[str], info: ValidationInfo) -> list[str]:
-        from services.trainer.discovery import check_entry
-
-        return [check_entry(e, url=info.field_name == "rollout_urls") for e in entries]
 
 
 def rollouts_of(groups: Sequence[Group], incorrect_reward: float) -> list[Rollout]:
@@ -248,7 +182,7 @@ class Trainer:
         from services.common.queue import RedisStream, connect
         from services.trainer.feed import GroupReader, PromptFeeder
 
-        self.redis = connect(self.cfg.redis_url)
+        self.redis = connect(self.cfg.redis_url, self.cfg.redis_auth)
         groups = RedisStream(self.redis, self.cfg.groups_stream, self.cfg.consumer_group)
         await groups.ensure_group()
         prompts = RedisStream(self.redis, self.cfg.prompts_stream)
@@ -366,7 +300,8 @@ class Trainer:
             self.cfg.val_dataset, self.tcfg.val_n, self.cfg.val_sampling, self.cfg.max_turns
         )
         start = time.perf_counter()
-        groups = await rollout_groups(rollout_urls, jobs, concurrency=self.cfg.val_concurrency)
+        groups = await rollout_groups(rollout_urls, jobs, concurrency=self.cfg.val_concurrency,
+                                      client_kwargs=self.cfg.rollout_security.httpx_kwargs("rollout_security"))
         metrics = compute_validation_metrics(val_samples(jobs, groups), seed=self.tcfg.seed)
         metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
         metrics["val/seconds"] = time.perf_counter() - start
@@ -388,7 +323,10 @@ class Trainer:
         from services.trainer.push import WeightPusher
 
         if getattr(self, "_pusher", None) is None:
-            token = os.environ.get(self.cfg.weight_token_env)
+            from services.common.security import read_secret
+            from services.transport.weights.tls import ChannelSecurity
+
+            token = read_secret(self.cfg.weight_token_file, self.cfg.weight_token_env, "weight_token")
             if not token:
                 raise ConfigError(
                     f"weight_token_env: environment variable {self.cfg.weight_token_env} is not set"
@@ -397,7 +335,7 @@ class Trainer:
             self._pusher = WeightPusher(
                 self.cfg.rollout_targets, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
                 transport=self.cfg.weight_transport, delta=self.cfg.weight_delta, dtype=self.cfg.weight_dtype,
-                wait_s=self.cfg.weight_push_wait_s,
+                wait_s=self.cfg.weight_push_wait_s, security=ChannelSecurity.from_files(self.cfg.weight_tls),
             )
         # dns: targets resolve to every replica on each push; failed attempts are retried and counted
         return await self._pusher.push(weights, version)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from services.transport.weights.bucketing import PushKind
     from services.transport.weights.client import PushReport
     from services.transport.weights.delta import DeltaEncoder, EncodedDelta
+    from services.transport.weights.tls import ChannelSecurity
 
 log = get_logger("trainer.push")
 
@@ -92,7 +93,8 @@ class WeightPusher:
     def __init__(self, entries: list[str], token: str, *, bucket_bytes: int,
                  transport: Literal["grpc", "shm"] = "grpc", delta: DeltaMode = "auto", dtype: str = "auto",
                  attempts: int = 3, backoff_s: float = 2.0, encode_threads: int = 2,
-                 wait_s: float | None = None, encode_where: Literal["host", "device"] = "host") -> None:
+                 wait_s: float | None = None, encode_where: Literal["host", "device"] = "host",
+                 security: ChannelSecurity | None = None) -> None:
         if wait_s is not None and wait_s <= 0:
             raise ValueError(f"wait_s: must be > 0 (or None), got {wait_s}")
         self.entries, self.token, self.bucket_bytes = entries, token, bucket_bytes
@@ -103,6 +105,7 @@ class WeightPusher:
         self.policy = RetryPolicy(attempts=attempts, deadline_s=wait_s, base_s=backoff_s,
                                   max_s=max(backoff_s, 30.0))
         self.encode_where = encode_where  # "device": the delta compare runs where the master weights are
+        self.security = security  # TLS of every channel (None: plain text, loopback deployments)
         self.encoder: DeltaEncoder | None = None  # the shadow, in the serving dtype
         self._acked: dict[str, tuple[str, int]] = {}  # target -> (lineage, version) it acknowledged
         self._dtypes: dict[str, str] = {}  # target -> serving dtype it reported
@@ -126,7 +129,7 @@ class WeightPusher:
             try:
                 targets = last["targets"] = resolve(self.entries)
                 if self.transport == "shm":
-                    seconds, gbps = await _push_shm(named, targets, version, self.token)
+                    seconds, gbps = await _push_shm(named, targets, version, self.token, self.security)
                     self._acked.clear()  # a commit clears the replicas' lineage
                     return {"weights/push_seconds": seconds, "weights/push_gbps": gbps,
                             "weights/push_targets": float(len(targets))}
@@ -169,7 +172,8 @@ class WeightPusher:
 
         unknown = [t for t in targets if t not in self._dtypes]
         wait = min(10.0, timeout_s) if timeout_s is not None else 10.0
-        states = await asyncio.gather(*(get_replica_state(t, wait) for t in unknown), return_exceptions=True)
+        states = await asyncio.gather(*(get_replica_state(t, wait, self.security) for t in unknown),
+                                      return_exceptions=True)
         failed = {t: s for t, s in zip(unknown, states, strict=True) if isinstance(s, BaseException)}
         for t, s in zip(unknown, states, strict=True):
             if not isinstance(s, BaseException):
@@ -258,7 +262,7 @@ class WeightPusher:
         kind = PushKind(delta=True, base_version=delta.base_version, lineage=self.encoder.lineage)
         reports = await asyncio.gather(*(
             push_state_dict_async(delta.tensors, [t], version, self.token, self.bucket_bytes, timeout_s,
-                                  kind=kind)
+                                  kind=kind, security=self.security)
             for t in targets), return_exceptions=True)
         stale = []
         for t, r in zip(targets, reports, strict=True):
@@ -297,11 +301,13 @@ class WeightPusher:
             try:
                 if ours:
                     report = await push_state_dict_async(self.encoder.full(), group, version, self.token,
-                                                         self.bucket_bytes, timeout_s, kind=kind)
+                                                         self.bucket_bytes, timeout_s, kind=kind,
+                                                         security=self.security)
                 else:  # no lineage: such a replica never gets deltas from this shadow
                     cast = getattr(torch, group_dtype)
                     report = await push_state_dict_async(((n, t.to(cast)) for n, t in named), group,
-                                                         version, self.token, self.bucket_bytes, timeout_s)
+                                                         version, self.token, self.bucket_bytes, timeout_s,
+                                                         security=self.security)
                 took = group
             except WeightPushError as exc:
                 took = [t for t in group if exc.results.get(t) == "ok"]
@@ -380,14 +386,16 @@ async def push_weights(
 
 
 async def _push_shm(
-    named: list[tuple[str, torch.Tensor]], targets: list[str], version: int, token: str
+    named: list[tuple[str, torch.Tensor]], targets: list[str], version: int, token: str,
+    security: ChannelSecurity | None = None,
 ) -> tuple[float, float]:
     """Every replica through its shared memory, concurrently; (seconds, GB/s of one replica's bytes)."""
     from services.transport.weights.client import WeightPushError, push_state_dict_shm_async
 
     start = time.perf_counter()
     outcomes = await asyncio.gather(
-        *(push_state_dict_shm_async(named, t, version, token) for t in targets), return_exceptions=True
+        *(push_state_dict_shm_async(named, t, version, token, security=security) for t in targets),
+        return_exceptions=True,
     )
     failed = {t: str(o)[:300] for t, o in zip(targets, outcomes, strict=True) if isinstance(o, BaseException)}
     if failed:

@@ -51,6 +51,13 @@ def run(args: Sequence[str], *, timeout: float, check: bool = True, input: str |
     return proc
 
 
+def build_image(tag: str) -> None:
+    """``docker build`` of the CPU image as a user builds it (classic builder: no BuildKit on every
+    engine); layers are cached, so a second test of the session costs seconds."""
+    run(["env", "DOCKER_BUILDKIT=0", "docker", "build", "--network", "host", "-f", "deploy/docker/Dockerfile",
+         "-t", tag, "."], timeout=1800)
+
+
 def image_exists(tag: str) -> bool:
     return run(["docker", "image", "inspect", tag], timeout=60, check=False).returncode == 0
 

@@ -10,7 +10,8 @@
 - the dashboards are exactly what their generator writes; the trainer run configs validate.
 
 What needs a Docker engine is in tests/deploy/test_compose_smoke.py (the CPU profile built,
-brought up and driven); GPU reservations and the multi-machine override are checked only here.
+brought up and driven); GPU reservations are checked only here. The multi-machine override:
+test_deploy_multinode.py (as files) and tests/deploy/test_multinode_secure.py (under an engine).
 """
 
 from __future__ import annotations
@@ -161,94 +162,6 @@ def test_gpu_profile_reserves_the_configured_gpus_and_the_cpu_profile_none():
     for name, svc in SERVICES.items():
         for dep in svc.get("depends_on") or {}:
             assert not _profiles(dep) or set(_profiles(dep)) == set(_profiles(name)), (name, dep)
-
-
-class _ComposeLoader(yaml.SafeLoader):
-    """Compose's merge tags (>= 2.24.4): ``!reset`` drops a key, ``!override`` replaces it."""
-
-
-_ComposeLoader.add_constructor("!reset", lambda loader, node: _Tagged("reset", None))
-_ComposeLoader.add_constructor(
-    "!override", lambda loader, node: _Tagged("override", loader.construct_mapping(node, deep=True))
-)
-
-
-class _Tagged:
-    def __init__(self, tag: str, value: object) -> None:
-        self.tag, self.value = tag, value
-
-
-def _merge(base: object, over: object) -> object:
-    """Compose's override-file merge, as far as these files use it (mappings merge key by
-    key; ``ports`` append; other lists and scalars replace; tags reset/override)."""
-    if isinstance(over, _Tagged):
-        return over.value
-    if isinstance(base, dict) and isinstance(over, dict):
-        out = dict(base)
-        for key, value in over.items():
-            if isinstance(value, _Tagged) and value.tag == "reset":
-                out.pop(key, None)
-            elif key == "ports" and key in out:
-                out[key] = [*out[key], *value]
-            else:
-                out[key] = _merge(out.get(key), value)
-        return out
-    return over
-
-
-MULTINODE = yaml.load((DEPLOY / "docker-compose.multinode.yml").read_text(), Loader=_ComposeLoader)
-
-
-def _net_names(svc: dict) -> set[str]:
-    nets = svc.get("networks") or []
-    return set(nets) if isinstance(nets, (list, dict)) else set()
-
-
-def test_multinode_override_puts_the_trainer_on_the_host_network_and_publishes_only_redis_and_rollout():
-    merged = _merge(COMPOSE, MULTINODE)
-    services, nets = merged["services"], merged["networks"]
-    assert set(MULTINODE) == {"services", "networks"}
-    assert set(MULTINODE["services"]) == {"redis", "rollout", "trainer", "prometheus"}
-    trainer = services["trainer"]
-    # host networking: compose refuses network_mode together with networks
-    assert trainer["network_mode"] == "host" and "networks" not in trainer and "depends_on" not in trainer
-    assert trainer["command"] == SERVICES["trainer"]["command"] and trainer["entrypoint"] == ["torchrun"]
-    assert trainer["deploy"] == SERVICES["trainer"]["deploy"]  # GPU reservation unchanged
-    # the only published ports are on NODE_ADDR, on the one non-internal network `nodes`
-    assert not nets["nodes"].get("internal")
-    for name in ("redis", "rollout"):
-        assert "nodes" in _net_names(services[name]), name
-        assert all(p.startswith("${NODE_ADDR:?") for p in services[name]["ports"]), name
-    assert services["rollout"]["depends_on"] == {
-        "sandbox": {"condition": "service_healthy"},
-        "reward": {"condition": "service_healthy"},
-    }
-    assert _net_names(services["rollout"]) >= {"backend", "sandbox_net"}  # still reaches its sandbox
-    # the sandbox is untouched: still only on the internal network, nothing else joined it
-    assert services["sandbox"] == SERVICES["sandbox"]
-    sandbox_nets = _net_names(services["sandbox"])
-    assert all(nets[n].get("internal") for n in sandbox_nets)
-    for name, svc in services.items():
-        if name not in ("sandbox", "rollout", "rollout-cpu", "prometheus"):
-            assert not sandbox_nets & _net_names(svc), name
-    assert services["trainer"].get("network_mode") == "host" and "sandbox" not in str(trainer)
-
-
-def test_multinode_run_config_lists_remote_replicas_inside_the_published_port_ranges():
-    cfg = load_config(RunConfig, file=DEPLOY / "trainer" / "multinode.yaml")
-    assert cfg.trainer.fsdp.backend == "nccl" and cfg.metrics_port == 9100
-    ranges = {}
-    for spec in MULTINODE["services"]["rollout"]["ports"]:
-        low, high, container = re.fullmatch(r"\$\{[^}]*\}:(\d+)-(\d+):(\d+)", spec).groups()
-        ranges[int(container)] = range(int(low), int(high) + 1)
-    assert cfg.rollout_targets and all(":" in t and not t.startswith("dns:") for t in cfg.rollout_targets)
-    for target in cfg.rollout_targets:
-        assert int(target.rsplit(":", 1)[1]) in ranges[50051], target
-    for url in cfg.rollout_urls:
-        assert int(url.rsplit(":", 1)[1]) in ranges[8000], url
-    assert cfg.redis_url.endswith(":6379/0") and "redis://redis" not in cfg.redis_url
-    redis_port = MULTINODE["services"]["redis"]["ports"][0]
-    assert redis_port.endswith(":6379:6379")
 
 
 def test_file_sd_examples_are_well_formed_and_examples_are_not_read():

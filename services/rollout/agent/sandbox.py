@@ -84,7 +84,10 @@ class SandboxClient:
         backoff_s: float = 0.2,
         max_connections: int = 256,
         retries_counter: Any = None,
+        client_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        """``client_kwargs``: extra ``httpx.AsyncClient`` arguments (``ClientSecurity.httpx_kwargs``:
+        the bearer token header, the CA to verify HTTPS with)."""
         self.run_timeout_s = run_timeout_s
         self.memory_mb = memory_mb
         self.retries = retries
@@ -96,6 +99,7 @@ class SandboxClient:
             base_url=base_url,
             timeout=request_timeout_s,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            **(client_kwargs or {}),
         )
         self._session_replica: dict[str, str] = {}  # session id -> base URL of the replica holding it
 

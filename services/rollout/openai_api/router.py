@@ -5,7 +5,9 @@ in-flight count shared with ``/v1/rollouts`` under ``max_concurrent_requests`` (
 The served model id is the configured ``model`` (as vLLM names it by default); a request for
 another model is a 404. Errors use OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``: a bad request is a 400 whose ``param`` names the field (``messages[2].token_ids``).
-There is no API key, as on ``/v1/rollouts``: the official client's key is ignored.
+With ``security.token`` set, the service's bearer-token door (services/common/http_auth.py) guards
+these routes as it does ``/v1/rollouts``: the official client's ``api_key`` is that token (it is sent
+as ``Authorization: Bearer``); without one, the key is ignored.
 """
 
 from __future__ import annotations

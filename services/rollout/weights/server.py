@@ -3,7 +3,8 @@
 Invariants:
 - ``PushWeights`` requires the shared-secret token in the ``x-retool-token`` metadata; a missing
   or wrong token is rejected with UNAUTHENTICATED before any byte is staged; the token is never
-  logged;
+  logged; with TLS settings the port speaks only TLS (``transport/weights/tls.py``), so the token
+  and the weights never cross the network in plain text;
 - a push is staged in CPU memory and handed to ``engine.load_weights`` only once it is complete
   (see ``bucketing.Stager``) and, when the engine can tell, covers every weight of the model; an
   interrupted, malformed or incomplete push changes nothing; a push cancelled after its last
@@ -45,6 +46,7 @@ import torch
 
 from services.common.logging import get_logger
 from services.common.metrics import MetricsRegistry
+from services.common.security import TLSServerFiles
 from services.proto_gen import retool_pb2 as pb
 from services.rollout.engine.base import Engine
 from services.rollout.engine.weight_spec import validate_push
@@ -60,6 +62,7 @@ from services.transport.weights.bucketing import (
 from services.transport.weights.delta import SparsePatch, decode_sparse
 from services.transport.weights.memory import keep_freed_buffers
 from services.transport.weights.shm import SHM_DIR, ShmError, ShmSegments, boot_id
+from services.transport.weights.tls import server_credentials
 
 log = get_logger("rollout.weights")
 
@@ -448,14 +451,18 @@ class WeightServer:
 
 async def start_weight_server(engine: Engine, host: str, port: int, token: str, *,
                               registry: MetricsRegistry | None = None,
-                              max_push_bytes: int | None = None) -> WeightServer:
-    """Start ``WeightService`` for ``engine`` on ``host:port`` (0 = any free port) in the running loop."""
+                              max_push_bytes: int | None = None,
+                              tls: TLSServerFiles | None = None) -> WeightServer:
+    """Start ``WeightService`` for ``engine`` on ``host:port`` (0 = any free port) in the running loop;
+    with ``tls`` the port speaks only TLS (mutual TLS when ``tls.client_ca_file`` is set)."""
     keep_freed_buffers()  # message buffers are reused instead of page-faulted afresh
     metrics = WeightPushMetrics(registry) if registry is not None else None
     servicer = WeightServicer(engine, token, metrics, max_push_bytes)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((servicer.handler(),))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, server_credentials(tls)) if tls is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"could not bind the weight-push server to {host}:{port}")
     await server.start()

@@ -24,11 +24,12 @@ from services.transport.reward.schemas import ScoreResult
 
 class RewardClient:
     def __init__(self, base_url: str, timeout_s: float = 30.0, *, backoff_s: float = 0.2,
-                 retries_counter: Any = None) -> None:
+                 retries_counter: Any = None, client_kwargs: dict[str, Any] | None = None) -> None:
+        """``client_kwargs``: extra ``httpx.AsyncClient`` arguments (bearer token header, TLS CA)."""
         self.timeout_s = timeout_s
         self.policy = RetryPolicy(attempts=None, deadline_s=timeout_s, base_s=backoff_s, max_s=5.0)
         self.retries_counter = retries_counter
-        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+        self._client = httpx.AsyncClient(base_url=base_url, timeout=timeout_s, **(client_kwargs or {}))
 
     async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
         async def attempt(timeout: float | None) -> httpx.Response:

@@ -39,7 +39,10 @@ async def rollout_groups(
     concurrency: int = 32,
     on_group: Callable[[PromptJob, Group], None] | None = None,
     timeout_s: float | None = None,
+    client_kwargs: dict[str, Any] | None = None,
 ) -> list[Group]:
+    """``client_kwargs``: extra ``httpx.AsyncClient`` arguments (the bearer token header and the CA of
+    ``ClientSecurity.httpx_kwargs``)."""
     import httpx
 
     if not urls:
@@ -59,6 +62,6 @@ async def rollout_groups(
         if on_group is not None:
             on_group(job, group)
 
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, **(client_kwargs or {})) as client:
         await asyncio.gather(*(one(i, job, client) for i, job in enumerate(jobs)))
     return [g for g in out if g is not None]

@@ -7,7 +7,8 @@ Invariants:
   mid-stream (their weights stay unchanged — the server applies only complete pushes) and a
   ``WeightPushError`` lists each target's outcome; targets that had already finished keep the
   new weights, so the caller retries the whole push (pushes are idempotent per version);
-- the token travels only in the gRPC metadata, never in logs or error messages;
+- the token travels only in the gRPC metadata, never in logs or error messages; with a
+  ``ChannelSecurity`` (``tls.py``) every channel is TLS (optionally mutual), never plain text;
 - ``kind`` makes it a delta push (``PushKind(delta=True, base_version, lineage)``, tensors are
   ``WireTensor``s from ``delta.DeltaEncoder``) or tags a full push with the pusher's lineage; a
   replica that cannot apply the delta answers FAILED_PRECONDITION (``is_stale_base``);
@@ -40,6 +41,7 @@ from services.transport.weights.bucketing import (
 )
 from services.transport.weights.memory import keep_freed_buffers
 from services.transport.weights.shm import ShmError, ShmMapping, boot_id
+from services.transport.weights.tls import ChannelSecurity, open_channel
 
 CHANNEL_OPTIONS = GRPC_BULK_OPTIONS
 QUEUE_DEPTH = 4
@@ -68,13 +70,14 @@ class PushReport:
         return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
 
 
-async def get_version(target: str, timeout_s: float = 10.0) -> int:
-    return int((await get_replica_state(target, timeout_s)).version)
+async def get_version(target: str, timeout_s: float = 10.0, security: ChannelSecurity | None = None) -> int:
+    return int((await get_replica_state(target, timeout_s, security)).version)
 
 
-async def get_replica_state(target: str, timeout_s: float = 10.0) -> pb.VersionReply:
+async def get_replica_state(target: str, timeout_s: float = 10.0,
+                            security: ChannelSecurity | None = None) -> pb.VersionReply:
     """Version, serving dtype and delta lineage of the replica at ``target``."""
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    async with open_channel(target, security, CHANNEL_OPTIONS) as channel:
         return await pb_grpc.WeightServiceStub(channel).GetVersion(pb.VersionRequest(), timeout=timeout_s)
 
 
@@ -84,12 +87,12 @@ def is_stale_base(exc: BaseException) -> bool:
 
 
 async def _push_one(target: str, queue: asyncio.Queue[bytes | None], token: str,
-                    timeout_s: float | None) -> pb.PushReply:
+                    timeout_s: float | None, security: ChannelSecurity | None) -> pb.PushReply:
     async def requests() -> AsyncIterator[bytes]:
         while (chunk := await queue.get()) is not None:
             yield chunk
 
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    async with open_channel(target, security, CHANNEL_OPTIONS) as channel:
         # serialized WeightChunk bytes from Bucket.encode (one copy of the tensor bytes)
         call = channel.stream_unary(PUSH_METHOD, request_serializer=None,
                                     response_deserializer=pb.PushReply.FromString)
@@ -99,7 +102,8 @@ async def _push_one(target: str, queue: asyncio.Queue[bytes | None], token: str,
 async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor] | WireTensor],
                                 targets: list[str], version: int, token: str,
                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None,
-                                kind: PushKind = PushKind()) -> PushReport:
+                                kind: PushKind = PushKind(),
+                                security: ChannelSecurity | None = None) -> PushReport:
     """Push ``named_tensors`` to every ``host:port`` in ``targets``; all are complete on return."""
     if not targets:
         raise ValueError("targets: at least one host:port is required")
@@ -121,7 +125,7 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
             await q.put(None)
 
     producer = asyncio.create_task(produce())
-    tasks = {t: asyncio.create_task(_push_one(t, queues[t], token, timeout_s)) for t in targets}
+    tasks = {t: asyncio.create_task(_push_one(t, queues[t], token, timeout_s, security)) for t in targets}
     results: dict[str, str] = {}
     try:
         pending: set[asyncio.Task] = {producer, *tasks.values()}
@@ -184,7 +188,8 @@ def close_shm_mappings() -> None:
 
 
 async def push_state_dict_shm_async(named_tensors: Iterable[tuple[str, torch.Tensor]], target: str,
-                                    version: int, token: str, timeout_s: float | None = None) -> PushReport:
+                                    version: int, token: str, timeout_s: float | None = None,
+                                    security: ChannelSecurity | None = None) -> PushReport:
     """Push ``named_tensors`` to the replica at ``target`` through its shared-memory segments.
 
     Only for a replica on this machine, under this uid, seeing the same ``/dev/shm``; anything else
@@ -195,7 +200,7 @@ async def push_state_dict_shm_async(named_tensors: Iterable[tuple[str, torch.Ten
     metadata = ((TOKEN_METADATA_KEY, token),)
     start = time.perf_counter()
     try:
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with open_channel(target, security) as channel:
             stub = pb_grpc.WeightServiceStub(channel)
             layout = await stub.RegisterShm(pb.ShmRequest(boot_id=boot_id()), metadata=metadata,
                                             timeout=timeout_s)
@@ -236,16 +241,18 @@ def iter_checkpoint(checkpoint_dir: str | Path) -> Iterator[tuple[str, torch.Ten
 
 async def push_checkpoint_async(checkpoint_dir: str | Path, targets: list[str], token: str,
                                 version: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                                timeout_s: float | None = None) -> PushReport:
+                                timeout_s: float | None = None,
+                                security: ChannelSecurity | None = None) -> PushReport:
     """Push a checkpoint's weights; ``version=None`` means one above the highest version served."""
     if version is None:
-        version = max(await asyncio.gather(*(get_version(t) for t in targets))) + 1
+        version = max(await asyncio.gather(*(get_version(t, security=security) for t in targets))) + 1
     return await push_state_dict_async(iter_checkpoint(checkpoint_dir), targets, version, token,
-                                       bucket_bytes, timeout_s)
+                                       bucket_bytes, timeout_s, security=security)
 
 
 def push_checkpoint(checkpoint_dir: str | Path, targets: list[str], token: str, version: int | None = None,
-                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None) -> PushReport:
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None,
+                    security: ChannelSecurity | None = None) -> PushReport:
     """Synchronous ``push_checkpoint_async``."""
     return asyncio.run(
-        push_checkpoint_async(checkpoint_dir, targets, token, version, bucket_bytes, timeout_s))
+        push_checkpoint_async(checkpoint_dir, targets, token, version, bucket_bytes, timeout_s, security))

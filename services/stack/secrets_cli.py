@@ -1,0 +1,31 @@
+"""``retool secrets init``: mint the CA, certificates, tokens and Redis ACL of a deployment across
+machines (see services/stack/secrets.py for what is written and docs/multinode.md for its use)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True)
+
+
+@app.command("init")
+def init(
+    out: Path = typer.Option(Path("deploy/secrets"), help="directory to create (made 0700)"),
+    san: list[str] = typer.Option([], help="extra name or IP address the server certificates answer to "
+                                  "(repeatable): each node's private address, a DNS name"),
+    namespace: str = typer.Option("retool", help="Kubernetes namespace (for the in-cluster DNS names)"),
+    force: bool = typer.Option(False, help="replace an existing, non-empty directory"),
+) -> None:
+    """Write a private CA, server/client certificates, bearer tokens and the Redis ACL into OUT."""
+    try:
+        from services.stack.secrets import init_secrets
+    except ImportError as exc:  # cryptography is in the dev and deploy extras
+        raise typer.BadParameter(f"{exc}: pip install 'retool[deploy]' (the cryptography package)") from None
+    try:
+        names = init_secrets(out, sans=san, namespace=namespace, force=force)
+    except FileExistsError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--out") from None
+    typer.echo(f"wrote {len(names)} files to {out}: {', '.join(names)}")
+    typer.echo("keep ca.key offline; mount the rest as Docker/Kubernetes secrets (docs/multinode.md)")
