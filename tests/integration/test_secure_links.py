@@ -97,7 +97,7 @@ async def test_redis_roles_get_what_their_code_needs_and_nothing_of_the_other_ro
         engine = ScriptedEngine(TOK, {0: ["<code>print(2 + 2)</code>", "<answer>\\boxed{4}</answer>"],
                                       1: ["<answer>\\boxed{5}</answer>"]}, version=0)
         sandbox = SandboxClient(sandbox_url)
-        agent = AgentLoop(engine, TOK, sandbox, AgentConfig(reward_retries=0))
+        agent = AgentLoop(engine, TOK, sandbox, AgentConfig())
         wcfg = RedisWorkerConfig(url="unused", consumer="w1", block_ms=100, claim_idle_ms=500,
                                  heartbeat_ms=100)
         worker = RolloutWorker(agent, RedisStream(rollout, PROMPTS, "rollout"), RedisStream(rollout, GROUPS),

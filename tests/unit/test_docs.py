@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)(.*)$")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
-COMMAND = re.compile(r"(?:^|[\s;&|(=])(?:[\w./-]*/)?retool\s+(.+)")
+# "retool" after -n/--namespace is a Kubernetes namespace, not our CLI
+COMMAND = re.compile(r"(?:^|(?<!-n)(?<!--namespace)[\s;&|(=])(?:[\w./-]*/)?retool\s+(.+)")
 SHELL_STOP = {"&", "&&", "|", "||", ";", ">", ">>", "<", "<<", "2>&1"}
 PLACEHOLDERS = {"…", "...", "DIR", "FILE"}
 
