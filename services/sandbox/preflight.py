@@ -7,7 +7,8 @@ Capabilities the service needs inside its container (all others can be dropped),
 - ``SETUID``: drop each run to its own uid (``setresuid``), and read a run's files with its
   file-system uid (``setfsuid``) when fetching them;
 - ``SETGID``: the same for the run's gid (``setresgid``, ``setgroups([])``, ``setfsgid``);
-- ``CHOWN``: hand the run's working directory and input files to the run's uid.
+- ``CHOWN``: hand the run's working directory and input files to the run's uid;
+- ``SETPCAP``: empty the zygotes' capability bounding set (inherited by every run).
 
 Not needed: ``DAC_OVERRIDE``/``DAC_READ_SEARCH`` (the working directory is entered before
 it is handed over; fetched files are read as their owner), ``KILL`` (a run is ended by
@@ -20,17 +21,16 @@ import os
 
 from services.common.config import ConfigError
 from services.sandbox.config import SandboxConfig
-from services.sandbox.runner import SLEEP
+from services.sandbox.runner import HEAD
 
-CAPABILITIES = ("SYS_ADMIN", "SETUID", "SETGID", "CHOWN")
+CAPABILITIES = ("SYS_ADMIN", "SETUID", "SETGID", "CHOWN", "SETPCAP")
 
 
 def check_isolation_available(cfg: SandboxConfig) -> None:
-    if not SLEEP:
-        raise ConfigError("the sandbox needs coreutils' sleep (/usr/bin/sleep or /bin/sleep): it holds "
-                          "each run's pid namespace")
-    if not cfg.require_isolation:
-        return
+    """Root is needed in every mode: no run executes without its namespaces and minimal root."""
+    if not HEAD and cfg.max_sessions:
+        raise ConfigError("sessions need coreutils' head (/usr/bin/head or /bin/head): it holds each "
+                          "session's pid namespace; install coreutils or set max_sessions=0")
     if os.geteuid() != 0:
         raise ConfigError(
             f"the sandbox needs root inside its container (capabilities {', '.join(CAPABILITIES)}; see "
