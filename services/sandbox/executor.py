@@ -23,12 +23,13 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import tempfile
 from dataclasses import dataclass
 
 from services.common.config import ConfigError
 from services.common.logging import get_logger
-from services.sandbox import linux
+from services.sandbox import linux, syscall_filter
 from services.sandbox.capture import decode_output
 from services.sandbox.cgroups import CgroupPlan, SlotCgroup
 from services.sandbox.config import SandboxConfig
@@ -90,6 +91,7 @@ class Executor:
         self._sock_dir = tempfile.mkdtemp(prefix="retool-sandbox-")
         os.chmod(self._sock_dir, 0o700)
         self._stage = stage_package()
+        seccomp_bpf = self._export_filter()
         self._slot_limits: dict[int, tuple[int, int, float]] = {}  # limits last written per slot cgroup
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])
@@ -98,7 +100,7 @@ class Executor:
         setup = ZygoteSetup(python=self.runtime_python, package_stage=self._stage, sock_dir=self._sock_dir,
                             cgroup_parents=self.cgroups.parents() if self.cgroups else [],
                             slot_count=cfg.max_concurrency + cfg.max_sessions, uid_base=cfg.uid_base,
-                            stack_mb=cfg.max_stack_mb, isolation=cfg.isolation)
+                            stack_mb=cfg.max_stack_mb, isolation=cfg.isolation, seccomp_bpf=seccomp_bpf)
 
         def pool(name: str, preload: list[str], count: int) -> Pool:
             zygotes = [Zygote(f"{name}-{i}", setup, preload=preload,
@@ -115,6 +117,19 @@ class Executor:
         self._slots: asyncio.Queue[int] = asyncio.Queue()
         self.stats = ExecStats()
         self._watchdog: asyncio.Task[None] | None = None
+
+    def _export_filter(self) -> str:
+        """The runs' syscall filter as a file for the zygotes; "" (a gap they report) if not built."""
+        path = os.path.join(self._sock_dir, "filter.bpf")
+        try:
+            bpf = syscall_filter.export(self.runtime_python, self._stage)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            log.error("cannot build the runs' syscall filter with %s: %s (pyseccomp and libseccomp.so.2 "
+                      "are needed in the runs' runtime)", self.runtime_python, exc)
+            return ""
+        with open(path, "wb") as fh:
+            fh.write(bpf)
+        return path
 
     def _cgroup_gaps(self) -> list[str]:
         if not self.cfg.use_cgroups:

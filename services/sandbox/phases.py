@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 
 # marks the run process records, in order; each phase is the CPU time since the previous mark
-RUN_MARKS = ("fork_child", "namespaces", "cgroup", "mounts", "filter", "code")
-PHASES = ("fork", "init", *RUN_MARKS[1:], "exit")
+# (``run_start``: the child's side of the fork, from the fork to its first mark)
+RUN_MARKS = ("run_start", "namespaces", "cgroup", "mounts", "filter", "code")
+PHASES = ("fork", "init", *RUN_MARKS, "exit")  # fork and init: the zygote's side
 _ROW = struct.Struct(f"{len(RUN_MARKS)}q")
 _cpu_ns = time.clock_gettime_ns
 _CLOCK = time.CLOCK_PROCESS_CPUTIME_ID
@@ -55,7 +56,7 @@ class PhaseBoard:
     def split(self, slot: int, fork_s: float, init_s: float, total_s: float) -> dict[str, float]:
         """CPU seconds per phase of a reaped run (``total_s`` from its ``wait4`` rusage)."""
         marks = [v / 1e9 for v in _ROW.unpack_from(self._mem, self.row(slot))]
-        out = {"fork": fork_s + marks[0], "init": init_s}
+        out = {"fork": fork_s, "init": init_s, "run_start": marks[0]}
         last = marks[0]
         for name, value in zip(RUN_MARKS[1:], marks[1:], strict=True):
             if value <= 0:  # the run ended (or failed) before this mark

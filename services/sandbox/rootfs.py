@@ -4,17 +4,20 @@ Every run (and session) is forked from a zygote that lives in this tree, so a ru
 namespace starts as a copy of it; the run then adds only its own ``/proc`` and ``/tmp``.
 
 Invariants:
-- the tree holds only an allowlist: the system's programs and libraries (``SYSTEM_DIRS``
-  and the ``/bin``/``/lib*`` links), the runs' Python runtime (its prefixes and ``sys.path``
-  directories, each at its own path), a generated ``/etc`` (passwd/group entries for root,
-  nobody and the run uids; hosts; nsswitch; a copy of the loader cache), ``/dev`` with
-  ``DEV_NODES`` only (plus ``fd``/``stdin``/``stdout``/``stderr`` links and ``shm`` and
-  ``/var/tmp`` pointing into the run's ``/tmp``), and empty ``/proc`` and ``/tmp`` mount points;
+- the tree holds only an allowlist: the system's programs and libraries (``/usr`` without
+  ``/usr/local``, which an empty directory covers, and the ``/bin``/``/lib*`` links), the
+  runs' Python runtime (its prefixes and ``sys.path`` directories, each at its own path), a
+  generated ``/etc`` (passwd/group entries for root, nobody and the run uids; hosts;
+  nsswitch; a copy of the loader cache), ``/dev`` with ``DEV_NODES`` only (plus
+  ``fd``/``stdin``/``stdout``/``stderr`` links and ``shm`` and ``/var/tmp`` pointing into the
+  run's ``/tmp``), and empty ``/proc`` and ``/tmp`` mount points;
 - nothing else of the host is reachable: not the checkout or the service's environment, no
   data or models, no ``/root``, ``/home``, ``/srv``, ``/opt``, ``/var``, ``/run``, ``/sys``,
   ``/usr/local`` (unless the runtime lives there), no host unix socket;
-- every mount of the tree is read-only and ``nosuid``; only the ``DEV_NODES`` binds allow
-  device access;
+- every mount of the tree is read-only and ``nosuid``; device files exist only for
+  ``DEV_NODES`` (made with ``mknod`` in the tree's own tmpfs, else bound from the host);
+- the tree has few mounts (root, ``/usr``, the ``/usr/local`` cover, the runtime): every run
+  copies them into its mount namespace and tears them down again;
 - after ``enter``, the old root is detached: the zygote, and every run forked from it, can
   name no host path; what the zygote still needs of the host (cgroup directories, namespace
   handles, its listening socket) it opened before;
@@ -27,12 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 
 from services.sandbox import linux
 
-SYSTEM_DIRS = ("/usr/bin", "/usr/sbin", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/libx32", "/usr/libexec",
-               "/usr/share/zoneinfo")
+SYSTEM_DIRS = ("/usr",)
+HIDDEN_DIRS = ("/usr/local",)  # site-specific software and data, covered by an empty directory
 TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
 DEV_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
@@ -54,10 +58,10 @@ def runtime_paths(exclude: list[str]) -> list[str]:
     paths = sorted({os.path.realpath(p) for p in candidates if p and os.path.isdir(p)} - skip)
     if "/" in paths:
         raise ValueError("the runtime's prefix or sys.path includes '/': the whole host would be visible")
-    return _outermost(paths)
+    return outermost(paths)
 
 
-def _outermost(paths: list[str]) -> list[str]:
+def outermost(paths: list[str]) -> list[str]:
     out: list[str] = []
     for path in sorted(set(paths)):
         if not any(path == q or path.startswith(q.rstrip("/") + "/") for q in out):
@@ -99,19 +103,52 @@ def etc_files(uids: range) -> dict[str, str]:
             "/etc/nsswitch.conf": "passwd: files\ngroup: files\nhosts: files\n"}
 
 
+def _dev_nodes(root: str) -> None:
+    """``DEV_NODES`` as device files of the tree's tmpfs (``CAP_MKNOD``), else as bind mounts."""
+    for node in DEV_NODES:
+        st = os.stat(f"/dev/{node}")
+        try:
+            os.mknod(f"{root}/dev/{node}", 0o666 | stat.S_IFCHR, st.st_rdev)
+            os.chmod(f"{root}/dev/{node}", 0o666)
+        except PermissionError:
+            _write(root, f"/dev/{node}", b"", 0o666)
+            _bind_ro(f"/dev/{node}", f"{root}/dev/{node}", dev=True)
+
+
+def _under(path: str, dirs: tuple[str, ...] | list[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
 def build(root: str, runtime: list[str], uids: range) -> list[str]:
     """Mount the tree at ``root`` (in the caller's private mount namespace); returns the host
     paths bound into it (for the zygote's report)."""
-    linux.mount("tmpfs", root, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=16m,mode=0755")
+    # no MS_NODEV: the tree's own device files (mknod, by root, before it turns read-only)
+    linux.mount("tmpfs", root, "tmpfs", linux.MS_NOSUID, "size=16m,mode=0755")
     bound: list[str] = []
     for path in TOP_LINKS:
         if os.path.islink(path):
             os.symlink(os.readlink(path), root + path)
     tops = [p for p in TOP_LINKS if os.path.isdir(p) and not os.path.islink(p)]
-    for path in _outermost([*(p for p in SYSTEM_DIRS if os.path.isdir(p)), *tops, *runtime]):
-        if os.path.islink(path):
-            continue
+    system = outermost([*(p for p in SYSTEM_DIRS if os.path.isdir(p)), *tops])
+    # runtime directories the system binds do not already show (not in them, or under a cover)
+    extra = [p for p in outermost(runtime) if not os.path.islink(p)
+             and (not _under(p, system) or _under(p, HIDDEN_DIRS))]
+    for path in system:
         _bind_ro(path, _mkdirs(root, path))
+        bound.append(path)
+    for cover in HIDDEN_DIRS:
+        if not os.path.isdir(root + cover) or os.path.islink(cover):
+            continue
+        linux.mount("tmpfs", root + cover, "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "size=4k,mode=0755")
+        for path in extra:
+            if _under(path, [cover]) and path != cover:
+                _mkdirs(root, path)  # mount points for the runtime inside the cover
+        linux.mount(None, root + cover, None, linux.MS_REMOUNT | linux.MS_RDONLY | linux.MS_NOSUID
+                    | linux.MS_NODEV, "size=4k,mode=0755")
+    for path in extra:
+        if not os.path.isdir(root + path):
+            _mkdirs(root, path)
+        _bind_ro(path, root + path)
         bound.append(path)
     _mkdirs(root, "/etc")
     for path, text in etc_files(uids).items():
@@ -119,9 +156,7 @@ def build(root: str, runtime: list[str], uids: range) -> list[str]:
     with contextlib.suppress(OSError), open("/etc/ld.so.cache", "rb") as fh:
         _write(root, "/etc/ld.so.cache", fh.read())
     _mkdirs(root, "/dev")
-    for node in DEV_NODES:
-        _write(root, f"/dev/{node}", b"", 0o666)
-        _bind_ro(f"/dev/{node}", f"{root}/dev/{node}", dev=True)
+    _dev_nodes(root)
     for name, target in DEV_LINKS.items():
         os.symlink(target, f"{root}/dev/{name}")
     for path in ("/proc", "/tmp"):
@@ -139,7 +174,7 @@ def enter(root: str) -> None:
     os.chdir("/")
     linux.umount2("/.old-root", linux.MNT_DETACH)
     os.rmdir("/.old-root")
-    linux.mount(None, "/", None, _RO)
+    linux.mount(None, "/", None, _RO & ~linux.MS_NODEV)  # the tree's own device files stay usable
 
 
 def build_and_enter(root: str, runtime: list[str], uids: range) -> list[str]:

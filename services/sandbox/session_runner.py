@@ -127,7 +127,9 @@ class LiveSession:
     # -- end -----------------------------------------------------------------------------------
     def kill(self, reason: str) -> None:
         """End the session (its whole pid namespace); ``ended`` will give ``reason``."""
-        if not self._kill_reason and not self.done.done():
+        if self.done.done():  # init was reaped: its pid may belong to another process by now
+            return
+        if not self._kill_reason:
             self._kill_reason = reason
         _kill_init(self.init)
 

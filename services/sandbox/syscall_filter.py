@@ -7,10 +7,11 @@ access, ``bpf``, ``perf_event_open``, the keyring, ``userfaultfd``, ``io_uring``
 loading, ``kexec``, ``personality`` (other than the query), and socket families no run needs.
 
 Invariants:
-- the zygote builds the program once (``build``: libseccomp generates the BPF); each run
-  installs that same program with one ``prctl`` after ``no_new_privs`` and its uid drop,
-  immediately before the code runs (``linux.SeccompProgram``). Measured here: libseccomp's
-  own ``seccomp_load`` costs ~250 us per run (it regenerates the program), the prctl ~10 us;
+- the program is built once per service (``export``: libseccomp, in a short-lived process of
+  the runs' interpreter, generates the BPF, so neither libseccomp nor its bindings sit in a
+  zygote's heap, which every run copies); each run installs that same program with one
+  ``prctl`` after ``no_new_privs`` and its uid drop, immediately before the code runs
+  (``linux.SeccompProgram``; libseccomp's own ``seccomp_load`` would regenerate it per run);
 - ``clone`` with any namespace flag is denied; ``clone3`` answers ``ENOSYS``, as under Docker
   and systemd: its flags sit in memory a filter cannot read, and ``ENOSYS`` makes glibc fall
   back to ``clone`` (threads and ``posix_spawn`` keep working) where the flags are checked;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 
 from services.sandbox import linux
 
@@ -79,3 +81,15 @@ def build() -> bytes:
         flt.export_bpf(out)
         out.seek(0)
         return out.read()
+
+
+def export(python: str, pythonpath: str, timeout_s: float = 60.0) -> bytes:
+    """``build`` run by ``python`` (the runs' interpreter, which has pyseccomp), with this package
+    on ``pythonpath``; raises ``RuntimeError`` saying why when it cannot."""
+    code = ("import sys\nfrom services.sandbox import syscall_filter\n"
+            "sys.stdout.buffer.write(syscall_filter.build())")
+    proc = subprocess.run([python, "-s", "-c", code], capture_output=True, timeout=timeout_s, cwd="/",
+                          env={"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"})
+    if proc.returncode != 0 or not proc.stdout:
+        raise RuntimeError(proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or "no output")
+    return proc.stdout

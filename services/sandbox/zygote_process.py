@@ -40,6 +40,7 @@ class ZygoteSetup:
     uid_base: int
     stack_mb: int
     isolation: str
+    seccomp_bpf: str  # path of the exported filter program; empty: none (a gap)
 
 
 class Zygote:
@@ -75,6 +76,7 @@ class Zygote:
             "--preload", ",".join(self.preload), "--cgroup-parents", ",".join(s.cgroup_parents),
             "--netns-slots", ",".join(map(str, self.slots)), "--slot-count", str(s.slot_count),
             "--uid-base", str(s.uid_base), "--uid-count", str(s.slot_count), "--isolation", s.isolation,
+            "--seccomp-bpf", s.seccomp_bpf,
             env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, cwd="/")
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
