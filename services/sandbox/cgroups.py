@@ -206,6 +206,7 @@ class CgroupPlan:
             if not {"memory", "pids"} <= enabled or not _writable_dir(parent):
                 return None
             base = os.path.join(parent, name)
+            _remove_stale(parent)
             os.makedirs(base, exist_ok=True)
             _runs_weight(base, 2)
             on = _enable_v2(base) & enabled
@@ -220,6 +221,7 @@ class CgroupPlan:
                 return None
             bases[kind] = os.path.join(parent, name)
         for kind, base in bases.items():
+            _remove_stale(os.path.dirname(base))
             os.makedirs(base, exist_ok=True)
             if kind == "cpu":
                 _runs_weight(base, 1)
@@ -256,6 +258,22 @@ class CgroupPlan:
                 for name in os.listdir(base):
                     if name.startswith("slot-"):
                         os.rmdir(os.path.join(base, name))
+                os.rmdir(base)
+
+
+def _remove_stale(parent: str) -> None:
+    """Remove ``retool-sandbox-<pid>`` cgroups of services that died without cleaning up (their
+    pid no longer exists); busy or foreign ones stay (``rmdir`` refuses non-empty cgroups)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            pid = name.removeprefix("retool-sandbox-")
+            if name == pid or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+                continue
+            base = os.path.join(parent, name)
+            with contextlib.suppress(OSError):
+                for slot in os.listdir(base):
+                    if slot.startswith("slot-"):
+                        os.rmdir(os.path.join(base, slot))
                 os.rmdir(base)
 
 

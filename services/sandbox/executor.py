@@ -85,7 +85,8 @@ class Executor:
         if self.gaps and cfg.isolation == "strict":
             if self.cgroups is not None:
                 self.cgroups.remove()
-            raise ConfigError(f"the sandbox cannot enforce {'; '.join(self.gaps)}: {CGROUP_HELP}")
+            gaps = '; '.join(self.gaps)
+            raise ConfigError(f"the sandbox cannot enforce its limits ({gaps}): {CGROUP_HELP}")
         for gap in self.gaps:
             log.error("isolation degraded: %s", gap)
         self._sock_dir = tempfile.mkdtemp(prefix="retool-sandbox-")
@@ -149,7 +150,11 @@ class Executor:
 
     async def start(self) -> None:
         _check_stack_limit(self.cfg.max_stack_mb)
-        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)  # a dead zygote's leftovers come to us
+        try:
+            linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)  # a dead zygote's leftovers come to us
+        except OSError as exc:  # gVisor before 2023: leftovers go to pid 1 and end on their own timers
+            log.warning("cannot become a child subreaper (%s): a dead zygote's leftovers are reaped "
+                        "by pid 1 and end on their own timers", exc)
         for slot in range(self.cfg.max_concurrency):
             self._slots.put_nowait(slot)
         try:
