@@ -39,11 +39,18 @@ class SandboxMetrics:
             self.requests.labels(status.value)
         for reason in ("queue_full", "queue_timeout"):
             self.rejections.labels(reason)
-        self.phase_cpu = self.registry.gauge(
-            "run_phase_cpu_seconds_total", "CPU seconds spent per step of stateless runs (fork, init, "
-            "namespaces, cgroup, mounts, filter, code, exit), summed since start", ("phase",))
-        self.phase_runs = self.registry.gauge("run_phase_runs_total", "Stateless runs measured in "
-                                              "sandbox_run_phase_cpu_seconds_total")
+        self.phase_cpu = self.registry.counter(
+            "run_phase_cpu_seconds", "CPU seconds spent per step of stateless runs (fork, init, run_start, "
+            "namespaces, cgroup, mounts, filter, code, exit)", ("phase",))
+        self.phase_runs = self.registry.counter("run_phase_runs", "Stateless runs measured in "
+                                                "sandbox_run_phase_cpu_seconds_total")
+        for phase in PHASES:
+            self.phase_cpu.labels(phase)
+
+    def count_phases(self, phases: dict[str, float]) -> None:
+        self.phase_runs.inc()
+        for name, seconds in phases.items():
+            self.phase_cpu.labels(name).inc(seconds)
 
 
 class IsolationHeader:
@@ -77,9 +84,7 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
     sessions = SessionAPI(cfg, registry, metrics.registry, executor.isolation_note)
     metrics.in_flight.set_function(lambda: executor.stats.in_flight)
     metrics.queue_depth.set_function(lambda: executor.stats.queued)
-    metrics.phase_runs.set_function(lambda: executor.phase_runs)
-    for phase in PHASES:
-        metrics.phase_cpu.labels(phase).set_function(lambda p=phase: executor.phase_cpu.get(p, 0.0))
+    executor.on_phases = metrics.count_phases
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.config import ConfigError
@@ -96,8 +97,8 @@ class Executor:
         self._slot_limits: dict[int, tuple[int, int, float]] = {}  # limits last written per slot cgroup
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])
-        self.phase_cpu: dict[str, float] = {}  # CPU seconds per phase, summed over measured runs
-        self.phase_runs = 0
+        # called with each stateless run's CPU seconds per step (``phases.PHASES``): the metrics
+        self.on_phases: Callable[[dict[str, float]], None] = lambda phases: None
         setup = ZygoteSetup(python=self.runtime_python, package_stage=self._stage, sock_dir=self._sock_dir,
                             cgroup_parents=self.cgroups.parents() if self.cgroups else [],
                             slot_count=cfg.max_concurrency + cfg.max_sessions, uid_base=cfg.uid_base,
@@ -259,19 +260,12 @@ class Executor:
                 outcome = RunOutcome(ok=False, error=f"executor unavailable: {type(exc).__name__}: {exc}")
             if not outcome.ok:
                 self._slot_limits.pop(slot, None)  # unknown state: write the limits again next time
-            self._count_phases(outcome.phases)
+            if outcome.phases:
+                self.on_phases(outcome.phases)
             return to_response(outcome, (*self.isolation_note(), *limits.notes))
         finally:
             self.stats.in_flight -= 1
             self._slots.put_nowait(slot)
-
-
-    def _count_phases(self, phases: dict[str, float]) -> None:
-        if not phases:
-            return
-        self.phase_runs += 1
-        for name, seconds in phases.items():
-            self.phase_cpu[name] = self.phase_cpu.get(name, 0.0) + seconds
 
 
 def _check_stack_limit(stack_mb: int) -> None:
