@@ -125,7 +125,8 @@ async def _load(url: str, code: str, expect: str, concurrency: int,
     failures = 0
     deadline = time.monotonic() + seconds
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"code": code, "language": "python", "run_timeout": 60}).encode()
+    # generous: on a loaded 2-core machine 32 cold sympy imports at once take minutes
+    body = json.dumps({"code": code, "language": "python", "run_timeout": 300}).encode()
 
     async def worker() -> None:
         nonlocal failures
