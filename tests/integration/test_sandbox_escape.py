@@ -11,10 +11,12 @@ deployment (``tests/deploy/test_compose_smoke.py``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
 import statistics
+import subprocess
 import threading
 import time
 import uuid
@@ -126,9 +128,18 @@ def test_host_files_and_sockets_are_out_of_reach(sandbox_url, run, canaries):
     allowed = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "root", "sbin", "tmp", "usr",
                "var", "work"}  # root and work: only the path down to the runtime
     assert set(seen["root"]) <= allowed, seen["root"]
-    bound = httpx.get(f"{sandbox_url}/healthz", timeout=10).json()["runtime"]["host_paths_in_root"]
-    assert str(REPO) not in bound and "/" not in bound and all(p == "/usr" or ".pyenv" in p
-                                                               or "venv-runtime" in p for p in bound), bound
+    runtime = httpx.get(f"{sandbox_url}/healthz", timeout=10).json()["runtime"]
+    bound = runtime["host_paths_in_root"]
+    probe = ("import json, os, sys\n"
+             "dirs = (sys.prefix, sys.base_prefix, *sys.path)\n"
+             "print(json.dumps([os.path.realpath(p) for p in dirs if p]))")
+    found = subprocess.run([runtime["python"], "-s", "-c", probe], capture_output=True, text=True, check=True,
+                           cwd="/")
+    runtime_dirs = json.loads(found.stdout)
+    assert str(REPO) not in bound and "/" not in bound, bound
+    for path in bound:  # /usr, else the runtime's own directories (its prefixes, its sys.path)
+        assert path == "/usr" or any(path == d or d.startswith(path + "/") or path.startswith(d + "/")
+                                     for d in runtime_dirs if d != "/"), (path, runtime_dirs)
     # /etc/passwd is the tree's own: accounts for root, nobody and the run uids, no host user
     passwd = stdout_of(run(sandbox_url, "print(open('/etc/passwd').read())"))
     host_users = {line.split(":")[0] for line in Path("/etc/passwd").read_text().splitlines()}
