@@ -1,9 +1,14 @@
 """Refuse to start without what the per-run isolation needs (fail closed).
 
+The rest of fail-closed lives where each layer is set up: the executor refuses to start
+without memory/pids/cpu cgroups, each zygote without its filter, bounding-set drop and
+minimal root, unless ``isolation: degraded`` (``executor``, ``zygote``).
+
 Capabilities the service needs inside its container (all others can be dropped), and why:
 
-- ``SYS_ADMIN``: create each run's mount/pid/ipc/uts/network namespaces, mount its tmpfs
-  and ``/proc``, remount the inherited filesystem view read-only;
+- ``SYS_ADMIN``: create each run's mount/pid/ipc/network namespaces, build the runs' minimal
+  root and ``pivot_root`` into it (``rootfs``), mount each run's tmpfs and ``/proc``, mount
+  a private cgroup tree in a container;
 - ``SETUID``: drop each run to its own uid (``setresuid``), and read a run's files with its
   file-system uid (``setfsuid``) when fetching them;
 - ``SETGID``: the same for the run's gid (``setresgid``, ``setgroups([])``, ``setfsgid``);
