@@ -1,4 +1,9 @@
-"""FastAPI app of the sandbox service: ``POST /run_code``, sessions (``session_api``), health, metrics."""
+"""FastAPI app of the sandbox service: ``POST /run_code``, sessions (``session_api``), health, metrics.
+
+Invariant: ``/healthz`` says ``"isolation": "ok"`` only when every layer holds; under
+``isolation: degraded`` with a layer missing it says ``"degraded"`` with the gaps, and every
+response carries ``X-Sandbox-Isolation`` (run answers also say it in ``message``).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.http_auth import protect
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import Executor, QueueFull, QueueTimeout
+from services.sandbox.phases import PHASES
 from services.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus
 from services.sandbox.session_api import SessionAPI
 from services.sandbox.sessions import SessionRegistry
@@ -33,15 +40,52 @@ class SandboxMetrics:
             self.requests.labels(status.value)
         for reason in ("queue_full", "queue_timeout"):
             self.rejections.labels(reason)
+        self.phase_cpu = self.registry.counter(
+            "run_phase_cpu_seconds", "CPU seconds spent per step of stateless runs (fork, init, run_start, "
+            "namespaces, cgroup, mounts, filter, code, exit)", ("phase",))
+        self.phase_runs = self.registry.counter("run_phase_runs", "Stateless runs measured in "
+                                                "sandbox_run_phase_cpu_seconds_total")
+        for phase in PHASES:
+            self.phase_cpu.labels(phase)
+
+    def count_phases(self, phases: dict[str, float]) -> None:
+        self.phase_runs.inc()
+        for name, seconds in phases.items():
+            self.phase_cpu.labels(name).inc(seconds)
+
+
+class IsolationHeader:
+    """ASGI middleware: under degraded isolation every HTTP response carries ``X-Sandbox-Isolation``.
+
+    Plain ASGI (no per-request task, unlike ``BaseHTTPMiddleware``): with full isolation it
+    costs one attribute check per response."""
+
+    def __init__(self, app: ASGIApp, executor: Executor) -> None:
+        self.app = app
+        self.executor = executor
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_noted(message: Message) -> None:
+            if message["type"] == "http.response.start" and self.executor.degraded:
+                note = self.executor.isolation_note()[0].encode("ascii", "backslashreplace")
+                message["headers"] = [*message.get("headers", []), (b"x-sandbox-isolation", note)]
+            await send(message)
+
+        await self.app(scope, receive, send_noted)
 
 
 def create_app(cfg: SandboxConfig) -> FastAPI:
     executor = Executor(cfg)
     metrics = SandboxMetrics()
     registry = SessionRegistry(cfg, executor.session_zygotes(), executor.session_cgroup)
-    sessions = SessionAPI(cfg, registry, metrics.registry)
+    sessions = SessionAPI(cfg, registry, metrics.registry, executor.isolation_note)
     metrics.in_flight.set_function(lambda: executor.stats.in_flight)
     metrics.queue_depth.set_function(lambda: executor.stats.queued)
+    executor.on_phases = metrics.count_phases
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +101,8 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
     protect(app, cfg.security, metrics.registry)
     app.state.executor = executor
 
+    app.add_middleware(IsolationHeader, executor=executor)
+
     def health() -> dict[str, object]:
         alive = executor.healthy_zygotes
         return {"status": "ok" if alive > 0 else "degraded", "zygotes_alive": alive,
@@ -65,8 +111,9 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
                 "in_flight": executor.stats.in_flight,
                 "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
                 "cgroups": executor.cgroups.version if executor.cgroups else None,
-                "warnings": [] if executor.cgroups or not cfg.use_cgroups else [
-                    "no writable cgroup tree: run memory/process limits are per process only"],
+                "isolation": "degraded" if executor.degraded else "ok",
+                "isolation_gaps": list(executor.gaps),
+                "warnings": [f"isolation degraded: {gap}" for gap in executor.gaps],
                 "sessions": len(registry.live), "max_sessions": cfg.max_sessions,
                 "runtime": executor.runtime_info()}
 

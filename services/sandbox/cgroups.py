@@ -1,12 +1,21 @@
-"""Per-slot cgroups: a run's memory limit covers all its processes and its tmpfs together.
+"""Per-slot cgroups: a run's memory, process and CPU limits cover all its processes together.
 
-``RLIMIT_DATA`` bounds each process of a run; a run that forks could still multiply it.
-When the host lets us (cgroup v1 ``memory`` + ``pids`` hierarchies, or cgroup v2 with both
-controllers delegated to our cgroup), every execution slot gets its own cgroup; the runner
-writes the run's limits into it and the run joins it before it executes anything.
-Invariant: a slot's cgroup holds at most one run at a time (slots are exclusive), so its
-limits are that run's limits. Without cgroups the service still starts, says so in
-``/healthz`` and in an error log line, and relies on the per-process limits.
+``RLIMIT_DATA`` bounds each process of a run; a run that forks could still multiply it, and a
+run with many threads could take every core. When the host lets us (cgroup v1 ``memory``,
+``pids`` and ``cpu`` hierarchies, or cgroup v2 with the three controllers delegated to our
+cgroup), every execution slot gets its own cgroup under one parent; the zygote writes the
+run's limits into it and the run joins it before it executes anything.
+
+Invariants:
+- a slot's cgroup holds at most one run at a time (slots are exclusive), so its limits are
+  that run's limits; CPU is ``cpu_cores`` of quota per period;
+- the service and its zygotes stay outside the runs' parent cgroup, which weighs as much as
+  ``os.cpu_count()`` ordinary processes: however many runs spin, the service is one more
+  process to the scheduler and keeps answering;
+- the zygote reaches slot files only through descriptors of the parents taken before it
+  entered its own root (``hold``), so no cgroup tree is mounted inside the runs' view;
+- without any of the three controllers ``CgroupPlan.detect`` returns None (or a plan missing
+  it, see ``missing``): the service refuses to start unless ``isolation: degraded``.
 
 In a container, the engine mounts the cgroup tree read-only. When the container has a
 cgroup namespace of its own (Docker/compose ``cgroup: private``; the default on cgroup v2
@@ -31,13 +40,17 @@ log = get_logger("sandbox.cgroups")
 CGROUP_ROOT = "/sys/fs/cgroup"
 INIT_CGROUP_NS_INO = 0xEFFFFFFB  # the kernel's PROC_CGROUP_INIT_INO: the host's cgroup namespace
 SERVICE_LEAF = "retool-service"  # v2: where the container's own processes move (no internal processes)
+KINDS = ("memory", "pids", "cpu")
+CPU_PERIOD_US = 100_000
+_HELD: dict[str, int] = {}  # zygote: parent directory -> descriptor (see ``hold``)
 
 
 @dataclass(frozen=True)
 class SlotCgroup:
     """Files the runner writes for one slot: ``limits`` before the run, ``procs`` to join."""
 
-    limits: dict[str, str]  # file -> kind ("memory" | "pids")
+    # file -> kind: "memory" | "zero" | "pids" | "cpu_quota" | "cpu_period" | "cpu_max"
+    limits: dict[str, str]
     procs: list[str]
 
 
@@ -102,7 +115,7 @@ def mount_private_hierarchy() -> str | None:
             _overmount(CGROUP_ROOT, "cgroup2", None)
             _delegate_v2_root()
         else:
-            for kind in ("memory", "pids"):
+            for kind in KINDS:
                 options = _hierarchy_options(kind)
                 target = os.path.join(CGROUP_ROOT, kind)
                 if options is None or not os.path.isdir(target):
@@ -130,14 +143,35 @@ def _delegate_v2_root() -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError), open(os.path.join(leaf, "cgroup.procs"), "w") as fh:
                 fh.write(pid)
-    with open(os.path.join(CGROUP_ROOT, "cgroup.subtree_control"), "w") as fh:
-        fh.write("+memory +pids")
+    _enable_v2(CGROUP_ROOT)
+
+
+def _enable_v2(parent: str) -> set[str]:
+    """Enable what it can of memory, pids and cpu for ``parent``'s children; returns what is on."""
+    for kind in KINDS:
+        with contextlib.suppress(OSError), open(os.path.join(parent, "cgroup.subtree_control"), "w") as fh:
+            fh.write(f"+{kind}")
+    with open(os.path.join(parent, "cgroup.subtree_control")) as fh:
+        return set(fh.read().split()) & set(KINDS)
+
+
+def _runs_weight(path: str, version: int) -> None:
+    """The runs' parent weighs as much as ``os.cpu_count()`` ordinary processes (see invariants)."""
+    cpus = os.cpu_count() or 1
+    name, value = ("cpu.shares", 1024 * cpus) if version == 1 else ("cpu.weight", min(100 * cpus, 10000))
+    with contextlib.suppress(OSError), open(os.path.join(path, name), "w") as fh:
+        fh.write(str(value))
 
 
 class CgroupPlan:
     def __init__(self, version: int, bases: dict[str, str]) -> None:
         self.version = version
         self.bases = bases  # kind -> directory holding the slot cgroups
+
+    @property
+    def missing(self) -> list[str]:
+        """Controllers of ``KINDS`` this plan cannot enforce."""
+        return [k for k in KINDS if k not in self.bases]
 
     @classmethod
     def detect(cls, name: str) -> CgroupPlan | None:
@@ -172,19 +206,25 @@ class CgroupPlan:
             if not {"memory", "pids"} <= enabled or not _writable_dir(parent):
                 return None
             base = os.path.join(parent, name)
+            _remove_stale(parent)
             os.makedirs(base, exist_ok=True)
-            with open(os.path.join(base, "cgroup.subtree_control"), "w") as fh:
-                fh.write("+memory +pids")
-            return cls(2, {"memory": base, "pids": base})
+            _runs_weight(base, 2)
+            on = _enable_v2(base) & enabled
+            return cls(2, {kind: base for kind in KINDS if kind in on})
         bases = {}
-        for kind in ("memory", "pids"):
+        for kind in KINDS:
             mount = os.path.join(CGROUP_ROOT, kind)
             parent = os.path.join(mount, own.get(kind, "/").lstrip("/"))
             if not _writable_dir(parent):
+                if kind == "cpu":
+                    continue  # reported by ``missing``
                 return None
             bases[kind] = os.path.join(parent, name)
-        for base in bases.values():
+        for kind, base in bases.items():
+            _remove_stale(os.path.dirname(base))
             os.makedirs(base, exist_ok=True)
+            if kind == "cpu":
+                _runs_weight(base, 1)
         return cls(1, bases)
 
     def slot(self, index: int) -> SlotCgroup:
@@ -193,22 +233,24 @@ class CgroupPlan:
             os.makedirs(d, exist_ok=True)
         if self.version == 2:
             d = dirs["memory"]
-            return SlotCgroup({os.path.join(d, "memory.max"): "memory",
-                               os.path.join(d, "memory.swap.max"): "zero",
-                               os.path.join(d, "pids.max"): "pids"},
-                              [os.path.join(d, "cgroup.procs")])
+            limits = {os.path.join(d, "memory.max"): "memory", os.path.join(d, "memory.swap.max"): "zero",
+                      os.path.join(d, "pids.max"): "pids"}
+            if "cpu" in dirs:
+                limits[os.path.join(d, "cpu.max")] = "cpu_max"
+            return SlotCgroup(limits, [os.path.join(d, "cgroup.procs")])
         limits = {os.path.join(dirs["memory"], "memory.limit_in_bytes"): "memory",
                   os.path.join(dirs["pids"], "pids.max"): "pids"}
         swap = os.path.join(dirs["memory"], "memory.memsw.limit_in_bytes")
         if os.path.exists(swap):
             limits[swap] = "memory"
+        if "cpu" in dirs:
+            limits[os.path.join(dirs["cpu"], "cpu.cfs_period_us")] = "cpu_period"
+            limits[os.path.join(dirs["cpu"], "cpu.cfs_quota_us")] = "cpu_quota"
         return SlotCgroup(limits, [os.path.join(d, "cgroup.procs") for d in sorted(set(dirs.values()))])
 
-    def mount_points(self) -> set[str]:
-        """Mounts the runners must be able to write (kept writable in the zygote's view)."""
-        if self.version == 2:
-            return {CGROUP_ROOT}
-        return {os.path.join(CGROUP_ROOT, kind) for kind in self.bases}
+    def parents(self) -> list[str]:
+        """The directories holding the slot cgroups (what a zygote ``hold``s)."""
+        return sorted(set(self.bases.values()))
 
     def remove(self) -> None:
         for base in set(self.bases.values()):
@@ -219,13 +261,60 @@ class CgroupPlan:
                 os.rmdir(base)
 
 
+def _remove_stale(parent: str) -> None:
+    """Remove ``retool-sandbox-<pid>`` cgroups of services that died without cleaning up (their
+    pid no longer exists); busy or foreign ones stay (``rmdir`` refuses non-empty cgroups)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            pid = name.removeprefix("retool-sandbox-")
+            if name == pid or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+                continue
+            base = os.path.join(parent, name)
+            with contextlib.suppress(OSError):
+                for slot in os.listdir(base):
+                    if slot.startswith("slot-"):
+                        os.rmdir(os.path.join(base, slot))
+                os.rmdir(base)
+
+
+def hold(parents: list[str]) -> None:
+    """Zygote: keep a descriptor of each parent, so slot files stay reachable after ``pivot_root``."""
+    for path in parents:
+        _HELD[path.rstrip("/")] = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def open_file(path: str, flags: int) -> int:
+    """Open a slot's file, through a held parent where there is one."""
+    for parent, fd in _HELD.items():
+        if path.startswith(parent + "/"):
+            return os.open(path[len(parent) + 1:], flags | os.O_CLOEXEC, dir_fd=fd)
+    return os.open(path, flags | os.O_CLOEXEC)
+
+
 def _write(path: str, value: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(value)
+    fd = open_file(path, os.O_WRONLY)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
 
 
-def write_limits(slot: SlotCgroup, memory_bytes: int, pids: int) -> None:
-    values = {"memory": str(memory_bytes), "pids": str(pids), "zero": "0"}
+def read_text(path: str) -> str:
+    fd = open_file(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 65536).decode()
+    finally:
+        os.close(fd)
+
+
+def cpu_quota_us(cores: float) -> int:
+    return max(1000, round(cores * CPU_PERIOD_US))
+
+
+def write_limits(slot: SlotCgroup, memory_bytes: int, pids: int, cpu_cores: float) -> None:
+    quota = cpu_quota_us(cpu_cores)
+    values = {"memory": str(memory_bytes), "pids": str(pids), "zero": "0", "cpu_period": str(CPU_PERIOD_US),
+              "cpu_quota": str(quota), "cpu_max": f"{quota} {CPU_PERIOD_US}"}
     memsw = [p for p in slot.limits if "memsw" in p]
     plain = [p for p in slot.limits if "memsw" not in p]
     try:  # v1 refuses memsw < memory limit: raise memsw first, or lower the memory limit first
@@ -241,5 +330,4 @@ def write_limits(slot: SlotCgroup, memory_bytes: int, pids: int) -> None:
 
 def join(slot: SlotCgroup) -> None:
     for path in slot.procs:
-        with open(path, "w") as fh:
-            fh.write("0")
+        _write(path, "0")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from services.common.config import StrictModel
@@ -16,7 +18,7 @@ DEFAULT_PRELOAD = (*LIGHT_PRELOAD, "numbers", "numpy", "sympy", "mpmath")
 
 HEAVY_PRELOAD = (
     *DEFAULT_PRELOAD, "scipy", "scipy.special", "scipy.optimize", "scipy.linalg", "scipy.integrate",
-    "scipy.interpolate", "scipy.stats", "pandas", "networkx",
+    "scipy.interpolate", "scipy.stats", "pandas", "networkx", "matplotlib", "matplotlib.pyplot",
 )
 
 MAX_OUTPUT_CAP = 1024 * 1024  # SandboxFusion returns at most 1 MB of each stream
@@ -59,7 +61,10 @@ class SandboxConfig(StrictModel):
                                "pandas, networkx (dearer fork, used only by code importing them); 0 = off")
     heavy_preload_modules: list[str] = Field(default_factory=lambda: list(HEAVY_PRELOAD))
     uid_base: int = Field(61000, ge=1000, description="run i uses uid/gid uid_base + slot")
-    use_cgroups: bool = Field(True, description="per-run cgroup for total memory/pids when available")
+    cpu_cores: float = Field(1.0, gt=0, le=256, description=(
+        "CPU quota of one run (its cgroup's cpu controller); a request may ask for less"))
+    use_cgroups: bool = Field(True, description="per-run cgroup for total memory/pids/CPU (off only "
+                              "with isolation: degraded)")
     cgroup_slack_mb: int = Field(256, ge=0, description="cgroup memory beyond memory limit + tmpfs, for "
                                  "pages a run copies from its zygote")
     max_sessions: int = Field(16, ge=0, le=4096, description=(
@@ -70,8 +75,11 @@ class SandboxConfig(StrictModel):
                                           "opened, however busy")
     security: ServerSecurity = Field(default_factory=ServerSecurity, description=(
         "bearer token (and optional TLS) every route but /healthz and /metrics requires"))
-    require_isolation: bool = Field(
-        True, description="refuse to start if namespaces/uid drop are unavailable (never off in prod)")
+    isolation: Literal["strict", "degraded"] = Field("strict", description=(
+        "strict: refuse to start unless every layer holds (root, namespaces, the minimal root, "
+        "memory/pids/CPU cgroups, the syscall filter, an empty capability bounding set); degraded: "
+        "start without the cgroups, the filter or the bounding-set drop where they are unavailable, "
+        "and say so in /healthz and in every response"))
 
     @model_validator(mode="after")
     def _limits_consistent(self) -> SandboxConfig:
@@ -84,6 +92,9 @@ class SandboxConfig(StrictModel):
         if self.session_idle_ttl_s > self.max_session_idle_ttl_s:
             raise ValueError(f"session_idle_ttl_s ({self.session_idle_ttl_s}) exceeds "
                              f"max_session_idle_ttl_s ({self.max_session_idle_ttl_s})")
+        if not self.use_cgroups and self.isolation == "strict":
+            raise ValueError("use_cgroups=false leaves runs without memory/pids/CPU limits: it needs "
+                             "isolation: degraded")
         if self.uid_base + self.max_concurrency + self.max_sessions > 65534:
             raise ValueError(f"uid_base + max_concurrency + max_sessions must stay below 65534 (runs use "
                              f"uids from uid_base={self.uid_base}, then one per slot and per session)")

@@ -8,7 +8,10 @@ Invariants:
   one status verl's client retries) — a request never hangs;
 - a zygote that dies is restarted; its runs die with it and answer ``SandboxError``, never
   a crash of the service; what it leaves behind comes to the service (a child subreaper,
-  or pid 1 in a container) and is killed and reaped.
+  or pid 1 in a container) and is killed and reaped;
+- fail closed: under ``isolation: strict`` the executor does not start unless the memory,
+  pids and CPU cgroups are usable and every zygote holds its filter, root and empty bounding
+  set; under ``degraded`` what is missing is listed in ``gaps`` and every answer says so.
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.common.config import ConfigError
 from services.common.logging import get_logger
-from services.sandbox import linux
+from services.sandbox import linux, syscall_filter
 from services.sandbox.capture import decode_output
 from services.sandbox.cgroups import CgroupPlan, SlotCgroup
 from services.sandbox.config import SandboxConfig
@@ -39,7 +45,7 @@ from services.sandbox.schemas import (
     RunCodeResponse,
     RunStatus,
 )
-from services.sandbox.zygote_process import Zygote
+from services.sandbox.zygote_process import Zygote, ZygoteSetup
 
 log = get_logger("sandbox.executor")
 POD_NAME = os.environ.get("MY_POD_NAME")  # reported as executor_pod_name, as SandboxFusion does
@@ -66,28 +72,41 @@ class Pool:
     zygotes: list[Zygote]
 
 
+CGROUP_HELP = ("give the service a writable cgroup tree with the memory, pids and cpu controllers (host: "
+               "cgroup v1 hierarchies, or v2 with the three delegated; container: compose `cgroup: private` "
+               "and CAP_SYS_ADMIN), or set isolation: degraded to run without them")
+
+
 class Executor:
     def __init__(self, cfg: SandboxConfig) -> None:
         self.cfg = cfg
         self.runtime_python = resolve_runtime_python(cfg.runtime_python)
+        self.cgroups = CgroupPlan.detect(f"retool-sandbox-{os.getpid()}") if cfg.use_cgroups else None
+        self.gaps = self._cgroup_gaps()
+        if self.gaps and cfg.isolation == "strict":
+            if self.cgroups is not None:
+                self.cgroups.remove()
+            gaps = '; '.join(self.gaps)
+            raise ConfigError(f"the sandbox cannot enforce its limits ({gaps}): {CGROUP_HELP}")
+        for gap in self.gaps:
+            log.error("isolation degraded: %s", gap)
         self._sock_dir = tempfile.mkdtemp(prefix="retool-sandbox-")
         os.chmod(self._sock_dir, 0o700)
         self._stage = stage_package()
-        self.cgroups = CgroupPlan.detect(f"retool-sandbox-{os.getpid()}") if cfg.use_cgroups else None
-        if cfg.use_cgroups and self.cgroups is None:
-            log.error("cgroups unavailable: a run's memory and process limits apply per process only, "
-                      "so a run that forks can exceed them. Give the service a writable cgroup tree "
-                      "(host: cgroup v1 memory+pids or v2 with both delegated; container: cgroup: private, "
-                      "CAP_SYS_ADMIN; docs/services/sandbox.md, Isolation)")
-        self._slot_limits: dict[int, tuple[int, int]] = {}  # limits last written per slot cgroup
+        seccomp_bpf = self._export_filter()
+        self._slot_limits: dict[int, tuple[int, int, float]] = {}  # limits last written per slot cgroup
         self._slot_cgroups = ([self.cgroups.slot(i) for i in range(cfg.max_concurrency)]
                               if self.cgroups else [])
-        writable = sorted(self.cgroups.mount_points()) if self.cgroups else []
+        # called with each stateless run's CPU seconds per step (``phases.PHASES``): the metrics
+        self.on_phases: Callable[[dict[str, float]], None] = lambda phases: None
+        setup = ZygoteSetup(python=self.runtime_python, package_stage=self._stage, sock_dir=self._sock_dir,
+                            cgroup_parents=self.cgroups.parents() if self.cgroups else [],
+                            slot_count=cfg.max_concurrency + cfg.max_sessions, uid_base=cfg.uid_base,
+                            stack_mb=cfg.max_stack_mb, isolation=cfg.isolation, seccomp_bpf=seccomp_bpf)
 
         def pool(name: str, preload: list[str], count: int) -> Pool:
-            zygotes = [Zygote(f"{name}-{i}", python=self.runtime_python, package_stage=self._stage,
-                              sock_dir=self._sock_dir, preload=preload, writable=writable,
-                              slots=list(range(i, cfg.max_concurrency, count)), stack_mb=cfg.max_stack_mb)
+            zygotes = [Zygote(f"{name}-{i}", setup, preload=preload,
+                              slots=list(range(i, cfg.max_concurrency, count)))
                        for i in range(count)]  # run slot s goes to zygote s % count
             return Pool(name, top_level(preload), zygotes)
 
@@ -101,12 +120,52 @@ class Executor:
         self.stats = ExecStats()
         self._watchdog: asyncio.Task[None] | None = None
 
+    def _export_filter(self) -> str:
+        """The runs' syscall filter as a file for the zygotes; "" (a gap they report) if not built."""
+        path = os.path.join(self._sock_dir, "filter.bpf")
+        try:
+            bpf = syscall_filter.export(self.runtime_python, self._stage)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            log.error("cannot build the runs' syscall filter with %s: %s (pyseccomp and libseccomp.so.2 "
+                      "are needed in the runs' runtime)", self.runtime_python, exc)
+            return ""
+        with open(path, "wb") as fh:
+            fh.write(bpf)
+        return path
+
+    def _cgroup_gaps(self) -> list[str]:
+        if not self.cfg.use_cgroups:
+            return ["no per-run cgroups (use_cgroups=false): memory and process limits per process only, "
+                    "no CPU limit"]
+        if self.cgroups is None:
+            return ["no per-run memory/pids/cpu cgroups (no writable cgroup tree)"]
+        return [f"no per-run {kind} cgroup (controller unavailable)" for kind in self.cgroups.missing]
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.gaps)
+
+    def isolation_note(self) -> tuple[str, ...]:
+        """The note every answer carries under degraded isolation (empty otherwise)."""
+        return (f"isolation degraded: {'; '.join(self.gaps)}",) if self.gaps else ()
+
     async def start(self) -> None:
         _check_stack_limit(self.cfg.max_stack_mb)
-        linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)  # a dead zygote's leftovers come to us
+        try:
+            linux.prctl(linux.PR_SET_CHILD_SUBREAPER, 1)  # a dead zygote's leftovers come to us
+        except OSError as exc:  # gVisor before 2023: leftovers go to pid 1 and end on their own timers
+            log.warning("cannot become a child subreaper (%s): a dead zygote's leftovers are reaped "
+                        "by pid 1 and end on their own timers", exc)
         for slot in range(self.cfg.max_concurrency):
             self._slots.put_nowait(slot)
-        await asyncio.gather(*(z.start() for z in self.zygotes))
+        try:
+            await asyncio.gather(*(z.start() for z in self.zygotes))
+        except BaseException:
+            await self.stop()
+            raise
+        for gap in sorted({str(g) for z in self.zygotes for g in z.info.get("isolation_gaps", [])}):  # type: ignore[attr-defined]
+            log.error("isolation degraded: %s", gap)
+            self.gaps.append(gap)
         for z in self.zygotes:
             if z.info.get("preload_failed"):
                 log.warning("zygote could not preload modules", extra={
@@ -134,8 +193,9 @@ class Executor:
                         await z.start()
 
     def session_zygotes(self) -> list[Zygote]:
-        """The zygotes that hold sessions: the default pool's (its warm modules, forked once per session)."""
-        return self.pools[self._default_pool].zygotes
+        """The zygotes that hold sessions: the last pool's, with the most modules warm (a session is
+        forked once and lives long, so the dearer fork does not matter; matplotlib is warm there)."""
+        return self.pools[-1].zygotes
 
     def session_cgroup(self, index: int) -> SlotCgroup | None:
         """The cgroup of slot ``index`` (a session's slot lies after the run slots), or None."""
@@ -147,8 +207,9 @@ class Executor:
 
     def runtime_info(self) -> dict[str, object]:
         failed = sorted({str(m) for z in self.zygotes for m in z.info.get("preload_failed", [])})  # type: ignore[attr-defined]
+        root = sorted({str(p) for z in self.zygotes for p in z.info.get("root", [])})  # type: ignore[attr-defined]
         return {"python": self.runtime_python, "preload_failed": failed,
-                "pools": {p.name: len(p.zygotes) for p in self.pools}}
+                "pools": {p.name: len(p.zygotes) for p in self.pools}, "host_paths_in_root": root}
 
     async def _acquire_slot(self, wait_s: float) -> int:
         with contextlib.suppress(asyncio.QueueEmpty):
@@ -169,12 +230,13 @@ class Executor:
         cg = self._slot_cgroups[slot] if self._slot_cgroups else None
         # the whole run: its memory limit, its tmpfs, and pages it copies from the zygote
         run_mb = limits.memory_mb + cfg.workdir_size_mb + cfg.cgroup_slack_mb
-        cg_limits = (run_mb * 2**20, cfg.max_processes)
+        cg_limits = (run_mb * 2**20, cfg.max_processes, limits.cpu_cores)
         write = cg is not None and self._slot_limits.get(slot) != cg_limits
         if write:
             self._slot_limits[slot] = cg_limits
         return RunSpec(cgroup_limits=cg.limits if write and cg else {}, cgroup_procs=cg.procs if cg else [],
-                       cgroup_memory_bytes=cg_limits[0], code=req.code, stdin=(req.stdin or "").encode(),
+                       cgroup_memory_bytes=cg_limits[0], cpu_cores=limits.cpu_cores, code=req.code,
+                       stdin=(req.stdin or "").encode(),
                        files=req.decoded_files(), fetch_files=list(req.fetch_files),
                        timeout_s=limits.timeout_s, memory_mb=limits.memory_mb,
                        stack_bytes=limits.stack_mb * 2**20, uid=cfg.uid_base + slot, slot=slot,
@@ -198,7 +260,9 @@ class Executor:
                 outcome = RunOutcome(ok=False, error=f"executor unavailable: {type(exc).__name__}: {exc}")
             if not outcome.ok:
                 self._slot_limits.pop(slot, None)  # unknown state: write the limits again next time
-            return to_response(outcome, limits.notes)
+            if outcome.phases:
+                self.on_phases(outcome.phases)
+            return to_response(outcome, (*self.isolation_note(), *limits.notes))
         finally:
             self.stats.in_flight -= 1
             self._slots.put_nowait(slot)

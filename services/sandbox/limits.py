@@ -25,6 +25,7 @@ class RunLimits:
     memory_mb: int
     stack_mb: int
     notes: tuple[str, ...] = ()
+    cpu_cores: float = 1.0
 
 
 def resolve_limits(req: RunCodeRequest, cfg: SandboxConfig) -> RunLimits:
@@ -37,7 +38,18 @@ def resolve_limits(req: RunCodeRequest, cfg: SandboxConfig) -> RunLimits:
     if memory > cfg.max_memory_mb:
         notes.append(f"memory_limit_MB {memory} clamped to the maximum {cfg.max_memory_mb}")
         memory = cfg.max_memory_mb
-    return RunLimits(timeout, memory, cfg.stack_mb_for(memory), tuple(notes))
+    cores = clamp_cpu(req.cpu_cores, cfg, notes)
+    return RunLimits(timeout, memory, cfg.stack_mb_for(memory), tuple(notes), cores)
+
+
+def clamp_cpu(requested: float | None, cfg: SandboxConfig, notes: list[str]) -> float:
+    """A run's CPU quota: the request's, at most ``cpu_cores`` (the default)."""
+    if requested is None:
+        return cfg.cpu_cores
+    if requested > cfg.cpu_cores:
+        notes.append(f"cpu_cores {requested:g} clamped to the maximum {cfg.cpu_cores:g}")
+        return cfg.cpu_cores
+    return requested
 
 
 def queue_wait_s(req: RunCodeRequest, cfg: SandboxConfig) -> float:

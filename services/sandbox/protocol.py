@@ -37,6 +37,7 @@ class RunSpec:
     cgroup_limits: dict[str, str] = field(default_factory=dict)  # file -> kind; empty: unchanged
     cgroup_procs: list[str] = field(default_factory=list)  # join these; empty: no cgroups
     cgroup_memory_bytes: int = 0
+    cpu_cores: float = 1.0  # CPU quota of the slot's cgroup
     session: bool = False  # a live interpreter that runs cells (``session_main``), not one program
 
 
@@ -56,10 +57,12 @@ class RunOutcome:
     # sessions only: the repr of a last-line expression, the error of the cell (Jupyter's
     # ename/evalue/traceback), why the session ended (empty while it lives), its process ids
     display: str | None = None
+    figures: list[dict[str, str]] = field(default_factory=list)  # Jupyter display data of the cell's plots
     error_info: dict[str, Any] | None = None
     session_ended: str = ""
     ran: bool = True  # False: the session had ended before this cell, which did not run
     pids: list[int] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # CPU seconds per step (``phases.PHASES``)
 
 
 def pack(obj: dict[str, Any] | RunSpec | RunOutcome) -> bytes:

@@ -1,14 +1,19 @@
 """The run's own process: set up as root inside the run's namespaces, drop to the run's uid,
 execute the model's code, end.
 
-Forked by the zygote as pid 2 of the run's pid namespace (pid 1 is a bare ``sleep`` that
-holds the namespace; see ``runner``), so signals the code sends itself act as they do for
-any process. Invariants:
-- the process enters its own mount, ipc and uts namespaces and its slot's empty network
-  namespace before anything else, so the zygote's stay untouched;
-- every step that needs privileges (cgroup, mounts, input files, entering the working
-  directory) happens before the uid drop; the working directory is entered while root
-  still owns it, then handed to the run's uid, so no ``CAP_DAC_OVERRIDE`` is needed;
+Forked by the zygote as pid 2 of the run's pid namespace (pid 1 only sleeps and holds the
+namespace; see ``runner``), so signals the code sends itself act as they do for any process.
+The zygote lives in the runs' minimal root (``rootfs``), so the run's mount namespace starts
+as a copy of that tree. Invariants:
+- the process enters its own mount and ipc namespaces and its slot's empty network
+  namespace before anything else, so the zygote's stay untouched (the uts namespace is the
+  zygote's: hostname ``sandbox``, which a run cannot change);
+- every step that needs privileges (cgroup, ``/proc``, ``/tmp``, input files, entering the
+  working directory) happens before the uid drop; the working directory is entered while
+  root still owns it, then handed to the run's uid, so no ``CAP_DAC_OVERRIDE`` is needed;
+- the last step before the code is the syscall filter (``FILTER``, built once by the zygote),
+  after ``no_new_privs`` and the uid drop; the capability bounding set is already empty (the
+  zygote emptied its own before forking);
 - a descriptor of its ``/tmp`` goes to the zygote before the drop, so the requested files
   can be fetched after every process of the run is gone;
 - nothing of the sandbox stays open (only fds 0-2, and a session's own cell socket), and
@@ -27,8 +32,9 @@ import signal
 import socket
 from dataclasses import dataclass, fields
 
-from services.sandbox import linux, session_main, user_main
+from services.sandbox import linux, rootfs, session_main, user_main
 from services.sandbox.cgroups import SlotCgroup, join
+from services.sandbox.phases import PhaseBoard
 from services.sandbox.protocol import RunSpec
 
 WORKDIR = "/tmp/workspace"
@@ -36,6 +42,7 @@ CODE_FILENAME = "main.py"
 # Runtime directories under /tmp: each run's tmpfs at /tmp would hide them, so they are bound
 # back into it (filled in by the zygote, see ``keep_tmp_runtime``).
 TMP_RUNTIME: list[str] = []
+FILTER: linux.SeccompProgram | None = None  # set by the zygote (None only under isolation: degraded)
 
 
 @dataclass
@@ -104,24 +111,20 @@ def keep_tmp_runtime(paths: list[str]) -> None:
 
 
 def _enter_namespaces(netns: int | None) -> None:
+    # the zygote's mounts are all private already: the copy needs no propagation change
     if netns is not None:
         linux.setns(netns, linux.CLONE_NEWNET)
-    linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWIPC | linux.CLONE_NEWUTS
-                  | (linux.CLONE_NEWNET if netns is None else 0))
-    linux.mount(None, "/", None, linux.MS_REC | linux.MS_PRIVATE)
+    linux.unshare(linux.CLONE_NEWNS | linux.CLONE_NEWIPC | (linux.CLONE_NEWNET if netns is None else 0))
 
 
 def _prepare_filesystem(spec: RunSpec, tmp_tx: int) -> None:
-    linux.mount("proc", "/proc", "proc", linux.MS_NOSUID | linux.MS_NODEV | linux.MS_NOEXEC)
+    rootfs.mount_run_proc()
     # handles on the runtime under /tmp, taken in this mount namespace before the tmpfs hides it
     hidden = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in TMP_RUNTIME]
     linux.mount("tmpfs", "/tmp", "tmpfs", linux.MS_NOSUID | linux.MS_NODEV,
                 f"size={spec.workdir_size_mb}m,mode=1777")
-    for target, private in (("/var/tmp", "/tmp/.var-tmp"), ("/dev/shm", "/tmp/.shm")):
-        if os.path.isdir(target):  # share the one size-limited tmpfs
-            os.mkdir(private)
-            os.chmod(private, 0o1777)
-            linux.mount(private, target, None, linux.MS_BIND)
+    os.mkdir(rootfs.SHM_DIR)  # /dev/shm (and /var/tmp) lead into the one size-limited tmpfs
+    os.chmod(rootfs.SHM_DIR, 0o1777)
     tmp = os.open("/tmp", os.O_PATH | os.O_DIRECTORY)
     with socket.socket(fileno=os.dup(tmp_tx)) as sock:
         socket.send_fds(sock, [b"t"], [tmp])
@@ -178,17 +181,23 @@ def _close_all_but(keep: set[int], max_fd: int) -> None:
     os.closerange(low, max_fd)
 
 
-def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds) -> None:
+def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds, board: PhaseBoard) -> None:
     """Entry point of the run's process (forked by the zygote); never returns."""
     exit_now, kill, getpid, sigkill = os._exit, os.kill, os.getpid, signal.SIGKILL
+    mark, slot, base_exc = board.mark, spec.slot, BaseException
+    end_mark = board.bound_mark(slot, 5)  # usable whatever the code does to modules
     code, st_w = 1, fds.st_w
     try:
+        mark(slot, 0)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         _enter_namespaces(netns)
+        mark(slot, 1)
         if cgroup is not None:
             join(cgroup)
+        mark(slot, 2)
         _prepare_filesystem(spec, fds.tmp_tx)
+        mark(slot, 3)
         os.dup2(fds.in_r, 0)
         os.dup2(fds.out_w, 1)
         os.dup2(fds.err_w, 2)
@@ -200,6 +209,9 @@ def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds
         os.setresuid(spec.uid, spec.uid, spec.uid)
         linux.prctl(linux.PR_SET_NO_NEW_PRIVS, 1)
         linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid change, which clears it
+        if FILTER is not None:
+            FILTER.install()
+        mark(slot, 4)
         os.close(st_w)  # setup done: nothing to report
         st_w = -1
     except BaseException as exc:  # noqa: BLE001 - setup failures reach the zygote, never raise
@@ -212,5 +224,9 @@ def run(spec: RunSpec, cgroup: SlotCgroup | None, netns: int | None, fds: RunFds
         else:
             code = user_main.run_user_code(spec.code, WORKDIR, CODE_FILENAME)
     finally:
+        try:  # noqa: SIM105 - contextlib.suppress looks names up when it exits
+            end_mark()
+        except base_exc:  # noqa: BLE001 - the code broke what the mark uses: no mark, still exit
+            pass
         exit_now(code)
         kill(getpid(), sigkill)  # unreachable unless _exit itself was subverted

@@ -77,6 +77,8 @@ class RunCodeRequest(WorkspaceFiles):
     run_timeout: float | None = Field(None, gt=0, description="seconds; default from service config")
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
     stdin: str | None = None
+    cpu_cores: float | None = Field(None, gt=0, description=(
+        "CPU quota of the run in cores (ours); default and maximum: the service's cpu_cores"))
     session_id: str | None = Field(None, max_length=64, description=(
         "run in this live session (POST /sessions): globals persist between calls"))
 
@@ -106,12 +108,21 @@ class RunCodeResponse(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)
 
 
+class SessionCellResponse(RunCodeResponse):
+    """``/run_code`` with ``session_id``: SandboxFusion's shape plus the cell's plots (ours)."""
+
+    display: list[dict[str, str]] = Field(default_factory=list, description=(
+        "Jupyter display data of the cell's plots (image/png, text/plain)"))
+
+
 class SessionRequest(BaseModel):
     """``POST /sessions``: open a live interpreter (its limits hold for every cell)."""
 
     ttl_s: float | None = Field(None, gt=0, description="idle seconds before it is closed; default from "
                                 "service config, longer ones are clamped")
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
+    cpu_cores: float | None = Field(None, gt=0, description="CPU quota in cores; default and maximum: "
+                                    "the service's cpu_cores")
 
 
 class SessionResponse(BaseModel):
@@ -131,6 +142,8 @@ class RunJupyterRequest(WorkspaceFiles):
     total_timeout: float = Field(45, gt=0, description="seconds for all cells")
     kernel: str = "python3"
     memory_limit_MB: int = Field(-1, description="-1 or 0: the service default")
+    cpu_cores: float | None = Field(None, gt=0, description="CPU quota in cores (ours); default and "
+                                    "maximum: the service's cpu_cores")
     session_id: str | None = Field(None, max_length=64)
 
     @field_validator("kernel")

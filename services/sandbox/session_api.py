@@ -5,13 +5,17 @@ Statuses: 429 when ``max_sessions`` are live (a message says how to free one), 4
 unknown id, 410 for a session that ended (the message says why: memory, time limit,
 expiry, close, a lost worker), 422 for fields a session cannot honour. A cell's own
 result uses SandboxFusion's shape; its last-line expression is appended to stdout (as a
-notebook displays it), and a cell that ended its session says so in ``message``.
+notebook displays it), its plots come as ``display`` (``image/png``), and a cell that
+ended its session says so in ``message``. ``/run_jupyter`` runs on after a cell that
+raised, as SandboxFusion does; it stops only when the session itself ended (a cell past
+its time limit, memory, a crash: later cells would have lost every earlier cell's state).
 """
 
 from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -26,10 +30,10 @@ from services.sandbox.schemas import (
     CommandRunResult,
     CommandRunStatus,
     RunCodeRequest,
-    RunCodeResponse,
     RunJupyterRequest,
     RunJupyterResponse,
     RunStatus,
+    SessionCellResponse,
     SessionRequest,
     SessionResponse,
 )
@@ -41,9 +45,12 @@ def _error(status: int, detail: str) -> JSONResponse:
 
 
 class SessionAPI:
-    def __init__(self, cfg: SandboxConfig, registry: SessionRegistry, metrics: MetricsRegistry) -> None:
+    def __init__(self, cfg: SandboxConfig, registry: SessionRegistry, metrics: MetricsRegistry,
+                 notes: Callable[[], tuple[str, ...]] = tuple) -> None:
+        """``notes()``: what every answer must say (the executor's degraded-isolation note)."""
         self.cfg = cfg
         self.registry = registry
+        self.notes = notes
         metrics.gauge("sessions_live", "Live interpreter sessions").set_function(lambda: len(registry.live))
         metrics.gauge("sessions_memory_bytes", "Memory charged to live sessions (their cgroups)"
                       ).set_function(registry.memory_bytes)
@@ -65,7 +72,7 @@ class SessionAPI:
 
     async def open(self, req: SessionRequest) -> SessionResponse | JSONResponse:
         try:
-            s, notes = await self.registry.open(req.ttl_s, req.memory_limit_MB)
+            s, notes = await self.registry.open(req.ttl_s, req.memory_limit_MB, req.cpu_cores)
         except SessionLimit as exc:
             self.rejected.inc()
             return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
@@ -73,7 +80,7 @@ class SessionAPI:
             return _error(503, f"could not start a session: {exc}")
         self.opened.inc()
         return SessionResponse(session_id=s.id, ttl_s=s.ttl_s, memory_limit_MB=s.memory_mb,
-                               message="; ".join(notes))
+                               message="; ".join([*self.notes(), *notes]))
 
     async def describe(self, session_id: str) -> dict[str, object] | JSONResponse:
         try:
@@ -92,13 +99,14 @@ class SessionAPI:
             return _error(404, str(exc))
         return {"session_id": session_id, "ended": reason}
 
-    async def run_code(self, req: RunCodeRequest) -> RunCodeResponse | JSONResponse:
-        """``/run_code`` with ``session_id``: one cell in that session's live interpreter."""
+    async def run_code(self, req: RunCodeRequest) -> JSONResponse:
+        """``/run_code`` with ``session_id``: one cell in that session's live interpreter (a
+        ``SessionCellResponse``, sent as is: ``/run_code``'s response model would drop ``display``)."""
         assert req.session_id is not None
         if req.stdin:
             return _error(422, "stdin is not supported with session_id (a session's cells read no stdin)")
         limits = resolve_limits(req, self.cfg)
-        notes = tuple(n for n in limits.notes if n.startswith("run_timeout"))
+        notes = (*self.notes(), *(n for n in limits.notes if n.startswith("run_timeout")))
         try:
             outcome = await self.registry.run_cell(req.session_id, req.code, limits.timeout_s,
                                                    req.decoded_files(), list(req.fetch_files))
@@ -108,10 +116,10 @@ class SessionAPI:
             return _error(404, str(exc))
         resp = cell_response(outcome, notes, req.session_id)
         self.cells.labels(resp.status.value).inc()
-        return resp
+        return JSONResponse(resp.model_dump(mode="json"))
 
     async def run_jupyter(self, req: RunJupyterRequest) -> RunJupyterResponse | JSONResponse:
-        """SandboxFusion's notebook run: the cells in order, stopping at the first that fails.
+        """SandboxFusion's notebook run: every cell in order, an exception in one not stopping the rest.
 
         Without ``session_id`` a fresh session runs them and is closed after (SandboxFusion's
         semantics); with it, they run in that live session, which stays open."""
@@ -121,7 +129,7 @@ class SessionAPI:
         temporary = req.session_id is None
         if temporary:
             try:
-                s, _ = await self.registry.open(None, req.memory_limit_MB)
+                s, _ = await self.registry.open(None, req.memory_limit_MB, req.cpu_cores)
             except SessionLimit as exc:
                 self.rejected.inc()
                 return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
@@ -145,7 +153,7 @@ class SessionAPI:
         start = time.monotonic()
         deadline = start + req.total_timeout
         cells: list[CellRunResult] = []
-        status, driver_status, messages = RunStatus.Success, CommandRunStatus.Finished, []
+        status, driver_status, ended = RunStatus.Success, CommandRunStatus.Finished, ""
         files = req.decoded_files()
         for code in req.cells:
             left = deadline - time.monotonic()
@@ -158,13 +166,13 @@ class SessionAPI:
             cells.append(_cell_result(out, limit))
             if out.timed_out and limit < cell_timeout:
                 driver_status = CommandRunStatus.TimeLimitExceeded
-            if out.session_ended:
-                messages.append(f"session {sid} ended: {out.session_ended}")
-            if out.timed_out or out.return_code != 0 or out.session_ended:
+            if out.timed_out or out.session_ended:  # the interpreter is gone: no later cell can run
+                ended = f"session {sid} ended: {out.session_ended or 'a cell ran past its time limit'}"
                 status = RunStatus.Failed
                 break
+        messages = [*self.notes(), *([ended] if ended else [])]
         fetched: dict[str, str] = {}
-        if req.fetch_files and not messages:
+        if req.fetch_files and not ended:
             out = await self.registry.run_cell(sid, "", cell_timeout, {}, list(req.fetch_files))
             fetched = {p: base64.b64encode(d).decode() for p, d in out.files.items()}
             messages += [f"fetch_files {p!r} skipped: {why}" for p, why in out.fetch_notes.items()]
@@ -174,10 +182,11 @@ class SessionAPI:
                                   files=fetched, executor_pod_name=POD_NAME)
 
 
-def cell_response(outcome: RunOutcome, notes: tuple[str, ...], sid: str) -> RunCodeResponse:
-    resp = to_response(outcome, notes)
+def cell_response(outcome: RunOutcome, notes: tuple[str, ...], sid: str) -> SessionCellResponse:
+    resp = SessionCellResponse(**dict(to_response(outcome, notes)))
     if outcome.display is not None and resp.run_result is not None:
         resp.run_result.stdout = (resp.run_result.stdout or "") + outcome.display + "\n"
+    resp.display = list(outcome.figures)
     if outcome.session_ended:
         ended = f"session {sid} ended: {outcome.session_ended}; its state is lost, open a new session"
         resp.message = "; ".join(m for m in (resp.message, ended) if m)
@@ -197,4 +206,5 @@ def _cell_result(out: RunOutcome, limit: float) -> CellRunResult:
         error = [{"ename": "SessionEnded", "evalue": out.session_ended, "traceback": []}]
     stdout, stderr = (run.stdout or "", run.stderr or "") if run else ("", "")
     display = [{"text/plain": out.display}] if out.display is not None else []
+    display += out.figures  # after the cell's result, as the inline backend shows plots
     return CellRunResult(stdout=stdout, stderr=stderr, display=display, error=error)

@@ -4,11 +4,14 @@ Runs inside an already-sandboxed process (``run_process`` did the namespaces, cg
 drop and limits, exactly as for a stateless run) in place of ``user_main.run_user_code``.
 Cells arrive on the cell socket as frames (4-byte big-endian length + msgpack
 ``{"code", "files"}``); after each cell the standard streams are flushed and one result
-frame goes back: ``{"rc", "display", "error"}``.
+frame goes back: ``{"rc", "display", "figures", "error"}``.
 
 Invariants:
 - globals persist from cell to cell; an expression on the last line of a cell is evaluated
   and its ``repr`` returned as ``display`` (``None`` is not displayed), as in a notebook;
+- every matplotlib figure open at the end of a cell comes back as Jupyter display data
+  (``figures.take_figures``: ``image/png`` + ``text/plain``) and is closed, as Jupyter's
+  inline backend shows plots; ``plt.show()`` itself shows nothing and warns nothing;
 - an exception ends the cell, not the session: the traceback (the cell's own frames only)
   goes to stderr and ``rc`` is 1; ``SystemExit`` gives its code and the session lives on;
 - the cell's stdout/stderr are written to fds 1/2 (pipes the zygote reads) before the
@@ -27,10 +30,12 @@ import socket
 import struct
 import sys
 import traceback
+import warnings
 from typing import Any
 
 import msgpack
 
+from services.sandbox.figures import take_figures
 from services.sandbox.user_main import _fresh_stdio, _prepare_process
 
 MAX_CELL_FRAME = 16 * 1024 * 1024
@@ -70,6 +75,9 @@ def serve(ctl_fd: int, workdir: str) -> int:
     sys_mod, os_write, len_of, line_cache = sys, os.write, len, linecache.cache
     main = _prepare_process(workdir, "cell", "")
     out, err = _fresh_stdio()
+    # under Agg, plt.show() would warn that it cannot show: figures are shown after the cell
+    warnings.filterwarnings("ignore", message=".*non-interactive, and thus cannot be shown")
+    figures_of = take_figures
     namespace = main.__dict__
     number = 0
 
@@ -141,6 +149,7 @@ def serve(ctl_fd: int, workdir: str) -> int:
             except base_exc:  # noqa: BLE001
                 error = {"ename": "Exception", "evalue": "", "traceback": []}
             rc = 1
+        figures = figures_of()
         flush_all()
-        reply = pack({"rc": rc, "display": display, "error": error}, use_bin_type=True)
+        reply = pack({"rc": rc, "display": display, "figures": figures, "error": error}, use_bin_type=True)
         sock.sendall(be32.pack(len_of(reply)) + reply)

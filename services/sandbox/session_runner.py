@@ -35,7 +35,7 @@ import msgpack
 
 from services.sandbox import run_process
 from services.sandbox.capture import CappedBuffer
-from services.sandbox.cgroups import SlotCgroup, write_limits
+from services.sandbox.cgroups import SlotCgroup, read_text, write_limits
 from services.sandbox.protocol import RunOutcome, RunSpec
 from services.sandbox.runner import _fetch, _kill_init, _reaped, _start
 
@@ -50,8 +50,8 @@ def _oom_kills(spec: RunSpec) -> int:
     for procs in spec.cgroup_procs:
         folder = os.path.dirname(procs)
         for name in ("memory.events", "memory.oom_control"):
-            with contextlib.suppress(OSError), open(os.path.join(folder, name)) as fh:
-                for line in fh:
+            with contextlib.suppress(OSError):
+                for line in read_text(os.path.join(folder, name)).splitlines():
                     key, _, value = line.partition(" ")
                     if key == "oom_kill":
                         return int(value)
@@ -65,6 +65,14 @@ def _error_info(error: object) -> dict[str, Any] | None:
     tb = error.get("traceback")
     return {"ename": str(error.get("ename", "")), "evalue": str(error.get("evalue", "")),
             "traceback": [str(line) for line in tb] if isinstance(tb, list) else []}
+
+
+def _figures(raw: object) -> list[dict[str, str]]:
+    """Display data of the cell's plots (which the cell's code could forge: strings only)."""
+    if not isinstance(raw, list):
+        return []
+    return [{str(k): str(v) for k, v in item.items() if k in ("text/plain", "image/png")}
+            for item in raw if isinstance(item, dict)]
 
 
 class LiveSession:
@@ -119,7 +127,9 @@ class LiveSession:
     # -- end -----------------------------------------------------------------------------------
     def kill(self, reason: str) -> None:
         """End the session (its whole pid namespace); ``ended`` will give ``reason``."""
-        if not self._kill_reason and not self.done.done():
+        if self.done.done():  # init was reaped: its pid may belong to another process by now
+            return
+        if not self._kill_reason:
             self._kill_reason = reason
         _kill_init(self.init)
 
@@ -208,13 +218,14 @@ class LiveSession:
             wanted = dataclasses.replace(self.spec, fetch_files=list(msg["fetch_files"]))
             files, notes = _fetch(self.tmp_dir, wanted)
         display = reply.get("display") if reply else None
+        figures = _figures(reply.get("figures")) if reply else []
         error = _error_info(reply.get("error")) if reply else None
         return RunOutcome(
             return_code=None if timed_out else (int(reply["rc"]) if reply else self.return_code),
             timed_out=timed_out, execution_time=timeout_s if timed_out else elapsed,
             stdout=self.out.render(), stderr=self.err.render(), stdout_truncated=self.out.dropped,
             stderr_truncated=self.err.dropped, files=files, fetch_notes=notes,
-            display=display if isinstance(display, str) else None,
+            display=display if isinstance(display, str) else None, figures=figures,
             error_info=error, session_ended=self.ended)
 
 
@@ -226,8 +237,8 @@ async def open_session(sid: str, spec: RunSpec) -> RunOutcome:
     life_r, life_w = os.pipe()  # init lives while this write end is open: as long as the zygote
     try:
         if cgroup is not None and cgroup.limits:
-            write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes)
-        init, pid = _start(spec, cgroup, fds, lifeline=life_r)
+            write_limits(cgroup, spec.cgroup_memory_bytes, spec.max_processes, spec.cpu_cores)
+        init, pid, _, _ = _start(spec, cgroup, fds, lifeline=life_r)
     except BaseException:
         fds.close_all()
         os.close(life_w)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from services.common.logging import get_logger
 from services.sandbox.cgroups import SlotCgroup
 from services.sandbox.config import SandboxConfig
+from services.sandbox.limits import clamp_cpu
 from services.sandbox.protocol import RunOutcome, RunSpec
 from services.sandbox.zygote_process import Zygote
 
@@ -57,6 +58,7 @@ class Session:
     memory_mb: int
     ttl_s: float
     cgroup: SlotCgroup | None
+    cpu_cores: float = 1.0
     opened: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     pids: list[int] = field(default_factory=list)  # host pids: [init, interpreter]
@@ -110,7 +112,8 @@ class SessionRegistry:
         return len(idle)
 
     # -- open / close --------------------------------------------------------------------------
-    async def open(self, ttl_s: float | None, memory_mb: int) -> tuple[Session, list[str]]:
+    async def open(self, ttl_s: float | None, memory_mb: int,
+                   cpu_cores: float | None = None) -> tuple[Session, list[str]]:
         cfg, notes = self.cfg, []
         if cfg.max_sessions == 0:
             raise SessionLimit("sessions are off on this sandbox (max_sessions=0); use stateless /run_code")
@@ -126,11 +129,12 @@ class SessionRegistry:
         if memory > cfg.max_memory_mb:
             notes.append(f"memory_limit_MB {memory} clamped to the maximum {cfg.max_memory_mb}")
             memory = cfg.max_memory_mb
+        cores = clamp_cpu(cpu_cores, cfg, notes)
         slot = self._free.pop(0)
         index = cfg.max_concurrency + slot
         alive = [z for z in self.zygotes if z.alive] or self.zygotes
         zygote = alive[slot % len(alive)]
-        session = Session(secrets.token_hex(16), slot, zygote, memory, ttl, self._cgroup_for(index))
+        session = Session(secrets.token_hex(16), slot, zygote, memory, ttl, self._cgroup_for(index), cores)
         try:
             outcome = await zygote.call({"op": "session_open", "id": session.id,
                                          "spec": self._spec(session, index).__dict__}, _OPEN_TIMEOUT_S)
@@ -153,7 +157,7 @@ class SessionRegistry:
                        slot=index, max_output_bytes=cfg.max_output_bytes, max_processes=cfg.max_processes,
                        workdir_size_mb=cfg.workdir_size_mb, max_fetch_file_bytes=cfg.max_fetch_file_bytes,
                        cgroup_limits=cg.limits if cg else {}, cgroup_procs=cg.procs if cg else [],
-                       cgroup_memory_bytes=run_mb * 2**20)
+                       cgroup_memory_bytes=run_mb * 2**20, cpu_cores=s.cpu_cores)
 
     async def close(self, sid: str, reason: str = "it was closed") -> str:
         """End a live session (if still live); returns why it ended."""

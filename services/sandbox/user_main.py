@@ -41,6 +41,7 @@ RUN_ENV = {  # the whole environment a run sees (plus HOME; PATH starts with the
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "MPLBACKEND": "Agg",
+    "MPLCONFIGDIR": "/tmp/.matplotlib",  # a run importing matplotlib cold writes its caches there
 }
 # the interpreter's own code for "flushing stdout failed at exit" (Py_RunMain)
 FLUSH_FAILED_EXIT = 120

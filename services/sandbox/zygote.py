@@ -9,28 +9,44 @@ every process it starts, and dies with the service — the parent-death signal p
 against the service's pid passed on the command line, which stays right when the service
 is pid 1 (as in a container). Its runs die with it (their parent-death signal).
 
-Usage: ``python -m services.sandbox.zygote --socket PATH --parent-pid PID --preload math,numpy``
+Start-up order (each step before the one that would make it impossible): bind the socket,
+hold the cgroup parents and namespace handles, preload, build the syscall filter, empty the
+capability bounding set, enter the runs' minimal root (``rootfs``: from then on no host
+path is reachable). Under ``--isolation strict`` a missing filter or bounding-set drop
+ends the zygote with ``FAILED <reason>`` instead of ``READY``; the root is never optional.
+
+Usage: ``python -m services.sandbox.zygote --socket PATH --parent-pid PID --root DIR --preload math,numpy``
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import gc
-import importlib
-import json
-import os
-import resource
-import signal
-import socket
-import struct
 import sys
 
-from services.sandbox import linux, runner, session_runner
-from services.sandbox.protocol import MAX_FRAME, RunOutcome, RunSpec, pack, unpack_body
-from services.sandbox.run_process import keep_tmp_runtime
-from services.sandbox.runner import create_slot_netns, remember_own_pid_namespace
-from services.sandbox.runtime_view import expose_runtime, remount_readonly, runtime_paths
+# asyncio imports ssl (and OpenSSL) for TLS the zygote never uses: 1.3 MB of heap every run
+# would copy. Hidden while the zygote's modules load, importable again for runs afterwards.
+_HIDE_SSL = "ssl" not in sys.modules
+if _HIDE_SSL:
+    sys.modules["ssl"] = None  # type: ignore[assignment]
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import gc  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+
+from services.sandbox import cgroups, linux, rootfs, run_process, runner, session_runner  # noqa: E402
+from services.sandbox.phases import PhaseBoard  # noqa: E402
+from services.sandbox.protocol import MAX_FRAME, RunOutcome, RunSpec, pack, unpack_body  # noqa: E402
+from services.sandbox.run_process import keep_tmp_runtime  # noqa: E402
+from services.sandbox.runner import create_slot_netns, remember_own_pid_namespace  # noqa: E402
+
+if _HIDE_SSL:
+    del sys.modules["ssl"]
 
 THREAD_STACK_BYTES = 8 * 1024 * 1024
 
@@ -61,6 +77,14 @@ def _warm_up() -> None:
     nx = sys.modules.get("networkx")
     if nx is not None:
         nx.shortest_path(nx.path_graph(4), 0, 3)
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None:  # fonts, the Agg renderer and PNG writer, loaded once here
+        import io
+
+        fig = plt.figure()
+        plt.plot([0, 1], [0, 1])
+        fig.savefig(io.BytesIO(), format="png", bbox_inches="tight")
+        plt.close("all")
 
 
 def preload(modules: list[str]) -> list[str]:
@@ -151,32 +175,73 @@ def _ensure_stack_room(stack_mb: int) -> None:
     linux.set_default_thread_stack(THREAD_STACK_BYTES)
 
 
+def _threads() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("Threads:"))
+
+
+def _harden(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The filter, the root, the bounding set; returns (host paths bound into the root, gaps)."""
+    gaps = []
+    if args.seccomp_bpf:
+        with open(args.seccomp_bpf, "rb") as fh:
+            run_process.FILTER = linux.SeccompProgram(fh.read())
+    else:
+        gaps.append("no syscall filter (the service could not build it; see its log)")
+    if _threads() != 1:  # a mount namespace can only be unshared by a single-threaded process
+        raise RuntimeError(f"the zygote must be single-threaded before entering its root ({_threads()} "
+                           "threads after preloading; set OPENBLAS_NUM_THREADS=1 etc.)")
+    stage = os.environ.get("PYTHONPATH", "")
+    runtime = rootfs.runtime_paths(exclude=[stage])
+    # each run's tmpfs at /tmp would hide these (also as reached through symlinks)
+    keep_tmp_runtime([*runtime, sys.prefix, os.path.dirname(sys.executable)])
+    try:  # bounds what later execs may gain, not what the zygote holds: it still builds the root
+        linux.drop_bounding_set()
+    except OSError as exc:
+        gaps.append(f"capability bounding set not cleared ({exc}; needs CAP_SETPCAP)")
+    os.makedirs(args.root, 0o700, exist_ok=True)
+    bound = rootfs.build_and_enter(args.root, runtime, range(args.uid_base, args.uid_base + args.uid_count))
+    return bound, gaps
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--parent-pid", type=int, required=True, help="the service's pid, as we see it")
+    parser.add_argument("--root", required=True, help="empty directory to build the runs' root at")
     parser.add_argument("--preload", default="")
     parser.add_argument("--stack-mb", type=int, default=0, help="largest stack a run may get")
-    parser.add_argument("--writable", default="", help="mount points runners must write (cgroups)")
+    parser.add_argument("--cgroup-parents", default="", help="directories holding the slot cgroups")
     parser.add_argument("--netns-slots", default="", help="slots to create a network namespace for")
+    parser.add_argument("--slot-count", type=int, default=1, help="slot indices this zygote may serve")
+    parser.add_argument("--uid-base", type=int, default=61000)
+    parser.add_argument("--uid-count", type=int, default=1)
+    parser.add_argument("--isolation", choices=("strict", "degraded"), default="strict")
+    parser.add_argument("--seccomp-bpf", default="", help="the runs' syscall filter (syscall_filter.export)")
     args = parser.parse_args(argv)
     if args.stack_mb:
         _ensure_stack_room(args.stack_mb)
     linux.prctl(linux.PR_SET_PDEATHSIG, signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # no Python handler for init children to inherit
     if os.getppid() != args.parent_pid:  # the service died before we set the death signal
         sys.exit(1)
-    listener = bind(args.socket)  # before the filesystem view turns read-only
-    package_dir = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # .../services
-    paths = runtime_paths(package_dir)
-    expose_runtime(paths)
-    # every run's mount namespace is a copy of this read-only view
-    remount_readonly(frozenset(m for m in args.writable.split(",") if m))
-    # each run's tmpfs at /tmp would hide these (also as reached through symlinks)
-    keep_tmp_runtime([*paths, sys.prefix, os.path.dirname(sys.executable)])
-    remember_own_pid_namespace()
+    listener = bind(args.socket)  # before the root changes
+    cgroups.hold([p for p in args.cgroup_parents.split(",") if p])
+    remember_own_pid_namespace()  # runs return to it after each fork (see runner._start)
+    runner.BOARD = PhaseBoard(args.slot_count)
     failed = preload([m for m in args.preload.split(",") if m])
     create_slot_netns([int(s) for s in args.netns_slots.split(",") if s])
-    serve(listener, {"python": sys.executable, "version": sys.version.split()[0], "preload_failed": failed})
+    try:
+        bound, gaps = _harden(args)
+    except Exception as exc:  # noqa: BLE001 - reported to the service, which refuses to start
+        gaps, bound = [f"the runs' root could not be built ({type(exc).__name__}: {exc})"], []
+        args.isolation = "strict"
+    if gaps and args.isolation == "strict":
+        sys.stdout.write("FAILED " + json.dumps({"gaps": gaps}) + "\n")
+        sys.stdout.flush()
+        sys.exit(3)
+    serve(listener, {"python": sys.executable, "version": sys.version.split()[0], "preload_failed": failed,
+                     "isolation_gaps": gaps, "root": bound})
 
 
 if __name__ == "__main__":

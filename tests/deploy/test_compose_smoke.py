@@ -14,7 +14,10 @@ timed and printed:
 4. hostile code through the deployed sandbox (sent from a rollout container, as the rollout
    service sends it): a memory bomb of many processes is held to the run's cgroup limit, a
    fork bomb ends, a run has no network at all; and the sandbox *container* has no route to
-   Redis (not by name, not by address);
+   Redis (not by name, not by address); the escape probes (``tests/deploy/sandbox_escape.py``:
+   canaries and sockets of the sandbox's container, namespaces, the syscall filter, /proc and
+   devices, another run's processes and /tmp), stateless and through a session, and CPU hogs
+   in every other slot while /healthz is timed and a hello run completes;
 5. a rollout over HTTP with the agent loop (``max_turns`` 3), scored by the reward service;
 6. the trainer completes >= 3 steps and each one is pushed to BOTH replicas (each replica's
    weight version equals the trainer's step);
@@ -44,6 +47,7 @@ import yaml
 
 from services.common.files import make_world_readable
 from services.demo.task import question, rl_rows, sft_messages, write_parquet
+from tests.deploy import sandbox_escape
 from tests.deploy.engine import REPO, Compose, Phases, image_exists, require_engine, run, wait_for
 from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 
@@ -258,6 +262,7 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
         health = _get(c, "rollout-cpu", "http://sandbox:8080/healthz")
         assert health["cgroups"] in (1, 2), f"per-run cgroups not enforced in the container: {health}"
         assert health["warnings"] == [] and health["zygote_restarts"] == 0, health
+        assert health["isolation"] == "ok" and health["isolation_gaps"] == [], health
         phases.done("wait healthy")
 
         # 4. hostile code inside the deployment
@@ -276,10 +281,20 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
         reach = c.json_from("sandbox", SANDBOX_CONTAINER_TO_REDIS.replace("REDIS_IPS", repr(redis_ips)))
         assert reach["dns"] != "resolved", reach  # type: ignore[index]
         assert not any(v.startswith("connected") for v in reach.values()), reach  # type: ignore[union-attr]
+        tag = f"retool-canary-{secrets.token_hex(6)}"
+        report = sandbox_escape.report_of(c.python("sandbox", sandbox_escape.in_sandbox_container(tag),
+                                                   timeout=600).stdout)
+        found = {probe: b for probe, b in sandbox_escape.breaches(report, tag).items() if b}
+        assert found == {}, found
+        busy = 7  # every slot but one (SANDBOX_MAX_CONCURRENCY=8): the hello run gets the last
+        hogs = sandbox_escape.report_of(c.python("rollout-cpu", sandbox_escape.cpu_hogs(busy, 12.0),
+                                                 timeout=300).stdout)
+        assert sandbox_escape.verdict_cpu(hogs, busy) == [], hogs
         health = _get(c, "rollout-cpu", "http://sandbox:8080/healthz")
         assert health["status"] == "ok" and health["in_flight"] == 0, health
         assert _stdout(_run_code(c, "print(6*7)")).strip() == "42"  # still serving after the bombs
-        phases.done("hostile code (memory bomb, fork bomb, no network, sandbox->redis)")
+        phases.done("hostile code (memory bomb, fork bomb, no network, sandbox->redis, escape probes, "
+                    "CPU hogs)")
 
         # 5. a rollout over HTTP through the agent loop (trainer container -> rollout:8000)
         body = {"messages": [{"role": "user", "content": question(14, 25)}],

@@ -7,6 +7,7 @@ import base64
 import httpx
 import pytest
 
+from services.sandbox.phases import PHASES
 from tests.integration.sandbox_client import run_code, stderr_of, stdout_of
 
 pytestmark = pytest.mark.integration
@@ -114,6 +115,14 @@ def test_healthz_and_metrics(sandbox_url):
                  "sandbox_queue_depth", "sandbox_rejections_total"):
         assert name in text
     assert 'sandbox_requests_total{status="Success"}' in text
+    # where a run's CPU goes, by step (bench/sandbox.py reads these): every step counted, none negative
+    phases = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sandbox_run_phase_cpu_seconds_total{")}
+    assert set(phases) == set(PHASES)
+    assert all(v >= 0 for v in phases.values()) and phases["fork"] > 0 and phases["exit"] > 0, phases
+    runs = next(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("sandbox_run_phase_runs_total "))
+    assert runs >= 1
 
 
 def test_warm_modules_are_preloaded_but_state_does_not_leak(sandbox_url):

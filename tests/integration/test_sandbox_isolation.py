@@ -113,12 +113,12 @@ print("KEYS", sorted(os.environ))
 
 def test_only_the_runs_own_processes_are_visible(sandbox, sandbox_url, run):
     code = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid(),\n"
-            "      open('/proc/1/cmdline', 'rb').read().split(b'\\0')[0])")
-    pids, own, init = stdout_of(run(sandbox_url, code)).rsplit(" ", 2)
-    # pid 1 is the namespace's holder (a bare sleep; for a session a head reading a pipe that
-    # only its zygote holds); the run is pid 2, so its own signals act
-    holder = "b'head'" if run is run_in_session else "b'sleep'"
-    assert eval(pids) == [1, 2] and own == "2" and init.strip() == holder  # noqa: S307
+            "      os.path.exists('/proc/1'), sorted(os.listdir('/proc'))[-2:])")
+    pids, own, init_visible, rest = stdout_of(run(sandbox_url, code)).split(" ", 3)
+    # pid 1 of the namespace (its holder, root) is hidden from the run (hidepid); the run is
+    # pid 2, so its own signals act; /proc holds nothing but pid directories (subset=pid)
+    assert eval(pids) == [2] and own == "2" and init_visible == "False"  # noqa: S307
+    assert eval(rest) == ["self", "thread-self"]  # noqa: S307
 
 
 def test_cannot_signal_or_kill_the_service(sandbox, sandbox_url, run):

@@ -8,15 +8,18 @@ parent was pid 1, runs that could not enter their working directory without
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from services.sandbox.cgroups import CGROUP_ROOT, KINDS
 from services.sandbox.launcher import SandboxProcess
 from services.sandbox.preflight import CAPABILITIES
 from tests.integration.sandbox_client import descendants, run_code, stdout_of
@@ -24,11 +27,47 @@ from tests.integration.sandbox_client import descendants, run_code, stdout_of
 pytestmark = pytest.mark.integration
 
 
-def _wrapper() -> list[str]:
+def _own_cgroups(name: str) -> list[str]:
+    """A cgroup of its own per controller the sandbox uses, as a container engine gives one.
+
+    Without ``DAC_OVERRIDE`` root cannot write the hierarchies' roots (mode 0555 here); a
+    cgroup made for the service (mode 0755, owned by root) is what its container would get."""
+    own = {}
+    with open("/proc/self/cgroup") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(","):
+                own[c] = path
+    made = []
+    for kind in KINDS:
+        path = os.path.join(CGROUP_ROOT, kind, own[kind].lstrip("/"), name)
+        os.makedirs(path, exist_ok=True)
+        made.append(path)
+    return made
+
+
+@pytest.fixture
+def service_cgroups() -> Iterator[list[str]]:
+    made = _own_cgroups(f"retool-pid1-test-{os.getpid()}")
+    try:
+        yield made
+    finally:
+        for path in made:  # the service removes its own; leftovers (a failed run) go here
+            for root, dirs, _ in os.walk(path, topdown=False):
+                for d in dirs:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(root, d))
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def _wrapper(cgroups: list[str]) -> list[str]:
     for tool in ("unshare", "setpriv"):
         assert shutil.which(tool), f"{tool} (util-linux) is needed to run the sandbox as pid 1 here"
     caps = ",".join(f"+{c.lower()}" for c in CAPABILITIES)
-    return ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+    join = " && ".join(f"echo $$ > {path}/cgroup.procs" for path in cgroups)
+    return ["sh", "-c", f'{join} && exec "$@"', "sh",
+            "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
             "setpriv", "--inh-caps=-all", f"--bounding-set=-all,{caps}", "--"]
 
 
@@ -75,16 +114,17 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def test_sandbox_as_pid_1_with_only_its_capabilities(tmp_path):
+def test_sandbox_as_pid_1_with_only_its_capabilities(tmp_path, service_cgroups):
     args = ["--set", "max_concurrency=4", "--set", "zygotes=1", "--set", "light_zygotes=1",
             "--set", "heavy_zygotes=0"]
-    with SandboxProcess(args, log_path=str(tmp_path / "sb.log"), wrapper=_wrapper()) as sb:
+    with SandboxProcess(args, log_path=str(tmp_path / "sb.log"), wrapper=_wrapper(service_cgroups)) as sb:
         service = _service_pid(sb.proc.pid)
         assert _status(service, "NSpid").split()[-1] == "1"  # pid 1 in its namespace, as in a container
         effective = int(_status(service, "CapEff"), 16)
         assert effective & (1 << 1) == 0 and effective & (1 << 5) == 0  # no DAC_OVERRIDE, no KILL
         health = httpx.get(f"{sb.url}/healthz", timeout=10).json()
         assert health["status"] == "ok" and health["zygotes_alive"] == health["zygotes"] == 2
+        assert health["isolation"] == "ok" and health["cgroups"] == 1, health  # every layer, strict
 
         # a run enters its 0700 working directory, reads its input files and has its output fetched
         files = {"in/data.txt": base64.b64encode(b"21").decode()}
