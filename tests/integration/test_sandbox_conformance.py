@@ -27,7 +27,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from services.rollout.agent.sandbox import RETRY_STATUS
+from services.common.retry import RETRY_STATUS
 from services.sandbox.launcher import SandboxProcess
 from tests.integration.sandbox_client import kill_runs_of
 
