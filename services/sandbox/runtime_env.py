@@ -22,15 +22,15 @@ log = get_logger("sandbox.runtime")
 SERVICES_DIR = Path(__file__).resolve().parents[1]  # .../services
 PACKAGE_ROOT = SERVICES_DIR.parent
 DEFAULT_RUNTIME = PACKAGE_ROOT / ".venv-runtime" / "bin" / "python"
-REQUIREMENTS = Path(__file__).with_name("runtime-requirements.txt")
+REQUIREMENTS = Path(__file__).with_name("runtime-requirements.lock")  # from runtime-requirements.txt
 
 
 def resolve_runtime_python(setting: str) -> str:
     """The interpreter for the zygotes; ``auto`` prefers ``.venv-runtime`` beside the package."""
     if setting != "auto":
         if not (os.path.isfile(setting) and os.access(setting, os.X_OK)):
-            raise ConfigError(f"runtime_python {setting!r} is not an executable file; build it with "
-                              f"`python -m venv DIR && DIR/bin/pip install -r {REQUIREMENTS}`")
+            raise ConfigError(f"runtime_python {setting!r} is not an executable file; build it with `python "
+                              f"-m venv DIR && DIR/bin/pip install --require-hashes -r {REQUIREMENTS}`")
         return setting
     if os.access(DEFAULT_RUNTIME, os.X_OK):
         return str(DEFAULT_RUNTIME)

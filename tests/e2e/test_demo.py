@@ -1,5 +1,7 @@
 """``retool demo --quick`` end to end, as a user runs it: real CLI process, real services
-(private Redis, sandbox, reward, rollout, trainer as separate processes), fixed seed.
+(private Redis, sandbox, reward, rollout, trainer as separate processes), fixed seed. It runs on a
+PATH without ``redis-server``, as on a fresh machine: the queue is the embedded Valkey server (the
+integration tests cover redis-server).
 
 Asserts that the whole pipeline ran (every artifact written, one metrics record per GRPO step,
 a plot, a log per service) and that RL improved held-out accuracy by at least 0.10 and raised
@@ -9,6 +11,7 @@ the tool-use rate. Budget: well under 10 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.demo.pipeline import QUICK
+from tests.helpers.hide_binary import path_without
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]
 
@@ -24,8 +28,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]
 def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     shm_before = set(Path("/dev/shm").glob("retool-weights-*"))
+    env = {**os.environ, "PATH": path_without("redis-server", tmp_path / "bin")}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "demo", "--quick", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -33,6 +38,8 @@ def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:
         stdout, stderr = proc.communicate(timeout=60)
         pytest.fail(f"demo --quick exceeded 600 s:\n{stderr[-4000:]}")
     assert proc.returncode == 0, stderr[-4000:]
+    # the log says which Redis it started and why
+    assert "queue = private embedded (Valkey 9.1." in stderr and "no redis-server on PATH" in stderr, stderr
 
     report = json.loads((out / "report.json").read_text())
     assert report["steps"] == QUICK["grpo"]["steps"]

@@ -1,7 +1,8 @@
 """A private ``redis-server`` on a free loopback port, for tests that need real Redis.
 
 Restartable with the same data directory (append-only file, fsync always) so durability can be
-tested. Fails with a clear message when the binary is missing (never falls back to fakeredis).
+tested. Fails with a clear message when the binary is missing (never falls back to the embedded
+Valkey of the demo).
 """
 
 from __future__ import annotations

