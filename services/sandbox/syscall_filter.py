@@ -15,7 +15,9 @@ Invariants:
 - ``clone`` with any namespace flag is denied; ``clone3`` answers ``ENOSYS``, as under Docker
   and systemd: its flags sit in memory a filter cannot read, and ``ENOSYS`` makes glibc fall
   back to ``clone`` (threads and ``posix_spawn`` keep working) where the flags are checked;
-- a call from another syscall ABI (32-bit ``int 0x80``, x32) is denied as a whole.
+- a call from another syscall ABI (32-bit ``int 0x80``, x32) is denied as a whole;
+- an argument the kernel reads as a C ``int`` (a socket's family) is compared on its low 32
+  bits only: a family with high bits set is still the same family to the kernel.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ ALSO_DENIED = (
     "io_uring_setup", "io_uring_enter", "io_uring_register", "quotactl_fd", "pidfd_getfd",
     "process_madvise", "fanotify_init", "syslog", "vhangup", "chroot", "sethostname",
     "setdomainname", "adjtimex", "lsm_set_self_attr", "open_tree_attr",
+    "modify_ldt",  # 16-bit segments: emulators only (Wine, DOSEMU), a past source of kernel bugs
 )
 NAMESPACE_FLAGS = (linux.CLONE_NEWNS | linux.CLONE_NEWUTS | linux.CLONE_NEWIPC | linux.CLONE_NEWPID
                    | linux.CLONE_NEWNET | linux.CLONE_NEWCGROUP | linux.CLONE_NEWUSER | linux.CLONE_NEWTIME)
 PERSONALITY_QUERY = 0xFFFFFFFF
+LOW32 = 0xFFFFFFFF
 # AF_KEY, AF_RDS, AF_ATMPVC, AF_ATMSVC, AF_BLUETOOTH, AF_TIPC, AF_ALG, AF_VSOCK, AF_KCM, AF_SMC, AF_XDP:
 # kernel code no run needs (runs have no network at all)
 DENIED_SOCKET_FAMILIES = (15, 21, 8, 20, 31, 30, 38, 40, 41, 43, 44)
@@ -75,8 +79,8 @@ def build() -> bytes:
             flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, 1 << bit, 1 << bit))
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     flt.add_rule(eperm, "personality", sc.Arg(0, sc.NE, PERSONALITY_QUERY))
-    for family in DENIED_SOCKET_FAMILIES:
-        flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
+    for family in DENIED_SOCKET_FAMILIES:  # the family is an int: only its low 32 bits count
+        flt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.MASKED_EQ, LOW32, family))
     with os.fdopen(os.memfd_create("seccomp-bpf"), "w+b") as out:
         flt.export_bpf(out)
         out.seek(0)

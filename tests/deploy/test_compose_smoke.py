@@ -17,7 +17,10 @@ timed and printed:
    Redis (not by name, not by address); the escape probes (``tests/deploy/sandbox_escape.py``:
    canaries and sockets of the sandbox's container, namespaces, the syscall filter, /proc and
    devices, another run's processes and /tmp), stateless and through a session, and CPU hogs
-   in every other slot while /healthz is timed and a hello run completes;
+   in every other slot while /healthz is timed and a hello run completes; the sandbox container
+   runs under the project's seccomp profile (``docker inspect``), which a process there that is
+   not a run (``tests/deploy/container_seccomp.py``) finds denying the kernel surface the service
+   does not need (``EPERM``) and allowing what it does;
 5. a rollout over HTTP with the agent loop (``max_turns`` 3), scored by the reward service;
 6. the trainer completes >= 3 steps and each one is pushed to BOTH replicas (each replica's
    weight version equals the trainer's step);
@@ -41,13 +44,15 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from services.common.files import make_world_readable
 from services.demo.task import question, rl_rows, sft_messages, write_parquet
-from tests.deploy import sandbox_escape
+from services.sandbox import container_profile
+from tests.deploy import container_seccomp, sandbox_escape
 from tests.deploy.engine import REPO, Compose, Phases, image_exists, require_engine, run, wait_for
 from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 
@@ -198,11 +203,21 @@ print(json.dumps(out))
 """
 
 
-def _container_ips(c: Compose, service: str) -> list[str]:
+def _inspect(c: Compose, service: str, field: str) -> Any:
     (cid,) = c.cmd("ps", "-q", service, timeout=60).stdout.split()
-    nets = json.loads(run(["docker", "inspect", "--format", "{{json .NetworkSettings.Networks}}", cid],
-                          timeout=60).stdout)
+    return json.loads(run(["docker", "inspect", "--format", f"{{{{json {field}}}}}", cid], timeout=60).stdout)
+
+
+def _container_ips(c: Compose, service: str) -> list[str]:
+    nets = _inspect(c, service, ".NetworkSettings.Networks")
     return [n["IPAddress"] for n in nets.values() if n.get("IPAddress")]
+
+
+def _seccomp_profile(c: Compose, service: str) -> dict | None:
+    """The seccomp profile the engine was given for ``service`` (compose sends the file's content)."""
+    opts = [o.split("=", 1)[1] for o in _inspect(c, service, ".HostConfig.SecurityOpt") or []
+            if o.startswith("seccomp=")]
+    return json.loads(opts[0]) if opts else None
 
 
 # Run in the trainer's container, in one go (the CPU trainer steps about once a second): the
@@ -290,11 +305,15 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
         hogs = sandbox_escape.report_of(c.python("rollout-cpu", sandbox_escape.cpu_hogs(busy, 12.0),
                                                  timeout=300).stdout)
         assert sandbox_escape.verdict_cpu(hogs, busy) == [], hogs
+        # the container's own seccomp profile, held by what is not a run (here: an exec'd process)
+        assert _seccomp_profile(c, "sandbox") == container_profile.profile()
+        outer = c.json_from("sandbox", container_seccomp.PROBE, timeout=120)
+        assert container_seccomp.breaches(outer) == [], outer  # type: ignore[arg-type]
         health = _get(c, "rollout-cpu", "http://sandbox:8080/healthz")
         assert health["status"] == "ok" and health["in_flight"] == 0, health
         assert _stdout(_run_code(c, "print(6*7)")).strip() == "42"  # still serving after the bombs
         phases.done("hostile code (memory bomb, fork bomb, no network, sandbox->redis, escape probes, "
-                    "CPU hogs)")
+                    "CPU hogs, the container's seccomp profile)")
 
         # 5. a rollout over HTTP through the agent loop (trainer container -> rollout:8000)
         body = {"messages": [{"role": "user", "content": question(14, 25)}],

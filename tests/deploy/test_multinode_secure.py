@@ -137,6 +137,10 @@ def _compose(tmp: Path, paths: dict[str, Path]) -> Compose:
                                          REPO / "deploy" / "docker-compose.multinode.yml"])
     merged = yaml.safe_load(merged_from.cmd("config", timeout=120).stdout)
     services = merged["services"]
+    # `config` resolves volume paths but not security_opt's: the sandbox's seccomp profile is
+    # relative to deploy/, which the merged file (in tmp) no longer sits in
+    services["sandbox"]["security_opt"] = [o.replace("seccomp=./", f"seccomp={REPO / 'deploy'}/")
+                                           for o in services["sandbox"]["security_opt"]]
     for name in ("redis", "rollout-cpu"):  # one shared engine: publish nothing on the host
         services[name].pop("ports", None)
     services["rollout-cpu"]["environment"]["OMP_NUM_THREADS"] = "1"

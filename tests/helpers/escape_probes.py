@@ -114,6 +114,10 @@ call("init_module", 175, 0, 0, 0)
 call("kexec_load", 246, 0, 0, 0, 0)
 call("personality(ADDR_NO_RANDOMIZE)", 135, 0x0040000)
 call("open_by_handle_at", 304, 0, 0, 0)
+call("modify_ldt", 154, 0, 0, 0)
+AF_VSOCK, SOCK_STREAM = 40, 1
+for label, family in (("socket(AF_VSOCK)", AF_VSOCK), ("socket(AF_VSOCK | 1 << 32)", AF_VSOCK | 1 << 32)):
+    call(label, 41, family, SOCK_STREAM, 0)  # the kernel reads the family's low 32 bits only
 try:
     p = subprocess.run(["unshare", "-U", "-r", "id"], capture_output=True, text=True, timeout=10)
     ok = p.returncode == 0
@@ -140,14 +144,18 @@ def kernel_probe() -> str:
 DENIED_CALLS = ("unshare(NEWUSER)", "unshare(NEWNS)", "unshare(NEWNET)", "clone(NEWUSER)", "setns", "mount",
                 "umount2", "pivot_root", "ptrace(ATTACH own child)", "bpf", "perf_event_open", "keyctl",
                 "add_key", "userfaultfd", "io_uring_setup", "init_module", "kexec_load",
-                "personality(ADDR_NO_RANDOMIZE)", "open_by_handle_at")
+                "personality(ADDR_NO_RANDOMIZE)", "open_by_handle_at", "modify_ldt")
+# a socket family no run needs: the filter answers EAFNOSUPPORT, as a kernel without it would
+DENIED_FAMILIES = ("socket(AF_VSOCK)", "socket(AF_VSOCK | 1 << 32)")
 
 
 def verdict_kernel(seen: dict[str, Any], *, filter_expected: bool = True) -> list[str]:
-    breaches = [f"{name} succeeded" for name in DENIED_CALLS if seen.get(name) == "OK"]
+    breaches = [f"{name} succeeded" for name in (*DENIED_CALLS, *DENIED_FAMILIES) if seen.get(name) == "OK"]
     if filter_expected:  # the filter's own answer (EPERM, not a kill; clone3: ENOSYS)
         breaches += [f"{name}: {seen.get(name)} (want EPERM from the filter)" for name in DENIED_CALLS
                      if seen.get(name) not in ("EPERM",)]
+        breaches += [f"{name}: {seen.get(name)} (want EAFNOSUPPORT from the filter)"
+                     for name in DENIED_FAMILIES if seen.get(name) != "EAFNOSUPPORT"]
         if seen.get("clone3") != "ENOSYS":
             breaches.append(f"clone3: {seen.get('clone3')} (want ENOSYS)")
     if str(seen.get("unshare -U -r id", "")).startswith("OK"):

@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from services.common.config import load_config
+from services.sandbox.container_profile import PROFILE_PATH
 from services.stack.secrets import init_secrets
 from services.trainer.loop import RunConfig
 
@@ -203,9 +204,11 @@ def test_capabilities_read_only_roots_probes_and_resources(overlay: str) -> None
     sc = _container(overlay, "sandbox")["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": COMPOSE["sandbox"]["cap_add"]}
     assert sc["readOnlyRootFilesystem"] is True and sc["privileged"] is False
-    # as compose's security_opt: the runs' own filter replaces the runtime's default
-    unconfined = "seccomp:unconfined" in COMPOSE["sandbox"]["security_opt"]
-    assert unconfined == (sc["seccompProfile"] == {"type": "Unconfined"})
+    # as compose's security_opt: our profile in place of the runtime's default, the same file
+    (opt,) = [o for o in COMPOSE["sandbox"]["security_opt"] if o.startswith("seccomp")]
+    profile = (DEPLOY / opt.split("=", 1)[1]).resolve()  # compose: relative to the project directory
+    assert profile == (DEPLOY.parent / PROFILE_PATH).resolve() and profile.is_file(), opt
+    assert sc["seccompProfile"] == {"type": "Localhost", "localhostProfile": f"retool/{profile.name}"}
     assert sc["appArmorProfile"] == {"type": "Unconfined"}  # compose: apparmor:unconfined
     assert "allowPrivilegeEscalation" not in sc  # must stay true with SYS_ADMIN; runs set no_new_privs
     assert _pod(overlay, "sandbox")["automountServiceAccountToken"] is False
