@@ -65,4 +65,5 @@ def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:
     # ... through the replica's shared-memory segments, which are gone once the demo has stopped
     rollout_log = (out / "logs" / "rollout.log").read_text()
     assert rollout_log.count("weights committed from shared memory") == report["steps"]
-    assert not set(Path("/dev/shm").glob("retool-weights-*")) - shm_before  # (other processes' may come and go)
+    # none of its own left (other processes' segments may come and go meanwhile)
+    assert not set(Path("/dev/shm").glob("retool-weights-*")) - shm_before
