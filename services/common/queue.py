@@ -196,8 +196,20 @@ class RedisStream:
                 lag = info.get("lag")
                 if lag is not None:
                     return int(lag)
-                return max(await self.depth() - int(info.get("entries-read") or 0), 0)
+                # Redis < 7 (no lag, no entries-read): count what lies after the group's cursor
+                return await self.count_after(_id(info["last-delivered-id"]))
         raise ValueError(f"stream {self.stream!r} has no consumer group {group!r}")
+
+    async def count_after(self, last_id: str, page: int = 1000) -> int:
+        """Entries with an id above ``last_id`` (exclusive range, Redis >= 6.2), read in pages of
+        ``page`` ids: exact whether or not acknowledged entries were deleted (XLEN is not)."""
+        n, start = 0, f"({last_id}"
+        while True:
+            batch = await self.client.xrange(self.stream, min=start, max="+", count=page)
+            n += len(batch)
+            if len(batch) < page:
+                return n
+            start = f"({_id(batch[-1][0])}"
 
     async def backlog(self) -> int:
         """Work outstanding for the group: undelivered + delivered-but-unacknowledged entries."""
