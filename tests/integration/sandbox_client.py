@@ -24,10 +24,12 @@ def stderr_of(result: dict[str, Any]) -> str:
     return (result.get("run_result") or {}).get("stderr") or ""
 
 
-def sandbox_pids(uid_base: int = 61000, uid_top: int = 61000 + 4096) -> list[int]:
-    """Host pids of processes running as any sandbox uid."""
+def sandbox_pids(under: int | None = None, uid_base: int = 61000, uid_top: int = 61000 + 4096) -> list[int]:
+    """Host pids of processes running as any sandbox uid: below the service ``under`` (its runs
+    only, whatever other sandboxes run on this host), else anywhere on the host."""
     pids = []
-    for name in os.listdir("/proc"):
+    names = [str(p) for p in descendants(under)] if under is not None else os.listdir("/proc")
+    for name in names:
         if not name.isdigit():
             continue
         try:

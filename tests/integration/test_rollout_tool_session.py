@@ -49,7 +49,7 @@ async def _run(sandbox_url: str, mode: str) -> Any:
         await sandbox.aclose()
 
 
-async def test_persistent_mode_keeps_variables_across_calls_and_closes_the_session(sandbox_url):
+async def test_persistent_mode_keeps_variables_across_calls_and_closes_the_session(sandbox, sandbox_url):
     opened = _opened(sandbox_url)
     traj = await _run(sandbox_url, "persistent")
     assert (traj.finish_reason, traj.tool_calls, traj.tool_errors) == ("answer", 2, 0)
@@ -58,9 +58,9 @@ async def test_persistent_mode_keeps_variables_across_calls_and_closes_the_sessi
     assert _opened(sandbox_url) == opened + 1  # one session for the whole trajectory
     assert _live_sessions(sandbox_url) == 0.0  # closed when the trajectory ended
     deadline = time.monotonic() + 10
-    while sandbox_pids() and time.monotonic() < deadline:
+    while sandbox_pids(under=sandbox.proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_pids() == []
+    assert sandbox_pids(under=sandbox.proc.pid) == []
 
 
 async def test_stateless_mode_stays_the_default_and_forgets_between_calls(sandbox_url):

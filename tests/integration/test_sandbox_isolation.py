@@ -30,9 +30,9 @@ def _assert_service_ok(url: str) -> None:
     assert stdout_of(run_code(url, "print(6*7)")) == "42\n"
 
 
-def _wait_no_sandbox_processes(timeout_s: float = 5.0) -> list[int]:
+def _wait_no_sandbox_processes(service_pid: int, timeout_s: float = 5.0) -> list[int]:
     deadline = time.monotonic() + timeout_s
-    while (left := sandbox_pids()) and time.monotonic() < deadline:
+    while (left := sandbox_pids(under=service_pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
@@ -147,7 +147,7 @@ def test_runs_as_unprivileged_uid_without_new_privileges(sandbox_url, run):
     assert "NoNewPrivs:\\t1" in out and "CapEff:\\t0000000000000000" in out
 
 
-def test_background_children_die_with_the_run(sandbox_url):
+def test_background_children_die_with_the_run(sandbox, sandbox_url):
     code = """
 import os, subprocess
 subprocess.Popen(["sleep", "300"], start_new_session=True)
@@ -161,16 +161,16 @@ print("spawned")
 """
     r = run_code(sandbox_url, code)
     assert stdout_of(r) == "spawned\n"
-    assert _wait_no_sandbox_processes() == []
+    assert _wait_no_sandbox_processes(sandbox.proc.pid) == []
 
 
-def test_timeout_kills_the_whole_process_tree(sandbox_url):
+def test_timeout_kills_the_whole_process_tree(sandbox, sandbox_url):
     code = ("import subprocess, time\n"
             "for _ in range(3): subprocess.Popen(['sleep', '300'])\n"
             "while True: time.sleep(0.1)\n")
     r = run_code(sandbox_url, code, run_timeout=1)
     assert r["run_result"]["status"] == "TimeLimitExceeded"
-    assert _wait_no_sandbox_processes() == []
+    assert _wait_no_sandbox_processes(sandbox.proc.pid) == []
     _assert_service_ok(sandbox_url)
 
 
@@ -181,11 +181,11 @@ def test_cpu_bound_timeout(sandbox_url):
     assert time.monotonic() - start < 10
 
 
-def test_fork_bomb_is_contained(sandbox_url, run):
+def test_fork_bomb_is_contained(sandbox, sandbox_url, run):
     code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     r = run(sandbox_url, code, run_timeout=2)
     assert r["status"] == "Failed"
-    assert _wait_no_sandbox_processes() == []
+    assert _wait_no_sandbox_processes(sandbox.proc.pid) == []
     _assert_service_ok(sandbox_url)
 
 
@@ -236,7 +236,7 @@ def test_no_descriptor_of_the_service_is_inherited(sandbox_url):
     assert eval(out) == [0, 1, 2, 3]  # noqa: S307 - 3 is the listdir handle itself
 
 
-def test_memory_limit_covers_all_processes_of_a_run(sandbox_url):
+def test_memory_limit_covers_all_processes_of_a_run(sandbox, sandbox_url):
     """Eight processes of 600 MB each stay below the per-process limit; held at the same time
     they would need 4.8 GB, and the run's cgroup (1024 MB + tmpfs + slack) admits two at most.
 
@@ -250,7 +250,7 @@ def test_memory_limit_covers_all_processes_of_a_run(sandbox_url):
     assert verdict.settled, r
     assert 1 <= verdict.holding <= 2, r  # never more than the run's limit resident at once
     assert verdict.allocated >= verdict.holding and verdict.killed >= 6, r
-    assert _wait_no_sandbox_processes(10) == []
+    assert _wait_no_sandbox_processes(sandbox.proc.pid, 10) == []
     _assert_service_ok(sandbox_url)
 
 

@@ -130,7 +130,7 @@ def test_idle_session_expires_with_its_processes_and_files(sandbox, sandbox_url)
               "the idle session to expire")
     _wait_for(lambda: not os.path.exists(f"/proc/{init}") and not os.path.exists(f"/proc/{interpreter}"),
               10, "the session's processes to end")
-    assert sandbox_pids() == []  # the sleep it started is gone too
+    assert sandbox_pids(under=sandbox.proc.pid) == []  # the sleep it started is gone too
     assert _mounts_with_device(tmp_dev) == [] and _fds_on_device(zygote, tmp_dev) == []  # tmpfs freed
     r = _cell(sandbox_url, s, "print(1)")
     assert r.status_code == 410 and "idle longer than its TTL" in r.json()["detail"]
@@ -168,7 +168,7 @@ def test_live_session_limit_answers_429_with_a_clear_message(sandbox_url):
             close_session(sandbox_url, s)
 
 
-def test_memory_bomb_kills_only_its_own_session(sandbox_url):
+def test_memory_bomb_kills_only_its_own_session(sandbox, sandbox_url):
     keeper = open_session(sandbox_url)
     bomb = open_session(sandbox_url, memory_limit_MB=256)
     try:
@@ -210,10 +210,10 @@ while True:
     finally:
         close_session(sandbox_url, keeper)
         close_session(sandbox_url, bomb)
-    _wait_for(lambda: sandbox_pids() == [], 10, "the sessions' processes to end")
+    _wait_for(lambda: sandbox_pids(under=sandbox.proc.pid) == [], 10, "the sessions' processes to end")
 
 
-def test_a_cell_past_its_time_limit_ends_the_session_and_says_so(sandbox_url):
+def test_a_cell_past_its_time_limit_ends_the_session_and_says_so(sandbox, sandbox_url):
     s = open_session(sandbox_url)
     spin = "print('started', flush=True)\nwhile True:\n    pass"
     r = run_code(sandbox_url, spin, session_id=s, run_timeout=1)
@@ -225,7 +225,7 @@ def test_a_cell_past_its_time_limit_ends_the_session_and_says_so(sandbox_url):
     r = run_code(sandbox_url, "import os\nos._exit(7)", session_id=s2)
     assert r["status"] == "Failed" and "exited with code 7" in r["message"], r
     assert _cell(sandbox_url, s2, "1").status_code == 410
-    _wait_for(lambda: sandbox_pids() == [], 10, "the sessions' processes to end")
+    _wait_for(lambda: sandbox_pids(under=sandbox.proc.pid) == [], 10, "the sessions' processes to end")
 
 
 def test_files_in_and_out_of_a_session(sandbox_url):
