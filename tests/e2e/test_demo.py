@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]
 
 def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    shm_before = set(Path("/dev/shm").glob("retool-weights-*"))
+    shm_before = {str(p) for p in Path("/dev/shm").glob("retool-weights-*")}
     env = {**os.environ, "PATH": path_without("redis-server", tmp_path / "bin")}
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "demo", "--quick", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -65,5 +65,8 @@ def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:
     # ... through the replica's shared-memory segments, which are gone once the demo has stopped
     rollout_log = (out / "logs" / "rollout.log").read_text()
     assert rollout_log.count("weights committed from shared memory") == report["steps"]
-    # none of its own left (other processes' segments may come and go meanwhile)
-    assert not set(Path("/dev/shm").glob("retool-weights-*")) - shm_before
+    # none of its own left: the segments its replica logged creating (other processes' may come and go)
+    created = [p for line in rollout_log.splitlines() if "shared-memory weight segments created" in line
+               for p in json.loads(line)["paths"]]
+    assert len(created) == 2 and not set(created) & shm_before, created
+    assert [p for p in created if os.path.exists(p)] == [], created
