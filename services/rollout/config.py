@@ -31,7 +31,8 @@ class AgentConfig(ChatFormat):
     sandbox_memory_mb: int = Field(1024, ge=16)
     sandbox_request_timeout_s: float = Field(60.0, gt=0, description=(
         "time budget of one tool call (/run_code or /sessions), retries and their pauses included"))
-    sandbox_retries: int = Field(2, ge=0, description="retries on connection errors, 429 and 5xx")
+    sandbox_retries: int = Field(8, ge=0, description=(
+        "retries on connection errors, 429 and 5xx (8: about 20 s of pauses, enough for a sandbox restart)"))
     sandbox_retry_backoff_s: float = Field(0.2, ge=0, description=(
         "first pause between retries (doubling, plus jitter; a Retry-After answer sets it)"))
     reward_timeout_s: float = Field(60.0, gt=0, description=(
