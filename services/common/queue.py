@@ -19,12 +19,16 @@ never fall back to plain text.
 
 A client rides out a Redis restart: a command that hits a dropped or refused connection is
 retried with jittered exponential pauses for about ``REDIS_RETRY_S`` (``connect``), then raised.
-A retried XADD may write an entry twice; readers dedupe (see above).
+Every failed attempt calls the ``CONNECTION_ERROR_HOOKS`` (the services' ``/metrics`` count them),
+so an outage the retries hide is still visible. A retried XADD may write an entry twice; readers
+dedupe (see above).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import Field, model_validator
@@ -63,12 +67,23 @@ class RedisAuth(StrictModel):
 
 
 REDIS_RETRY_S = 40.0  # about how long a command waits for a restarting Redis before it fails
+CONNECTION_ERROR_HOOKS: list[Callable[[], None]] = []  # called once per failed attempt
+
+
+class _CountedRetry(Retry):
+    async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        async def counted(error: Exception, *rest: Any) -> Any:
+            for hook in CONNECTION_ERROR_HOOKS:
+                hook()
+            return await fail(error, *rest)
+
+        return await super().call_with_retry(do, counted, *args, **kwargs)
 
 
 def _retry_kwargs() -> dict[str, object]:
     # pauses of 0.5, 1, 2, 4 then 5 s (+ jitter): 12 attempts span about REDIS_RETRY_S
-    return {"retry": Retry(ExponentialWithJitterBackoff(base=0.5, cap=5.0), 12,
-                           supported_errors=(RedisConnectionError, RedisTimeoutError, OSError)),
+    return {"retry": _CountedRetry(ExponentialWithJitterBackoff(base=0.5, cap=5.0), 12,
+                                   supported_errors=(RedisConnectionError, RedisTimeoutError, OSError)),
             "retry_on_error": [RedisConnectionError, RedisTimeoutError, OSError]}
 
 

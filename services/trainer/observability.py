@@ -64,6 +64,11 @@ class TrainerExporter:
             self.dropped.labels(reason)
         self.reissued = r.counter(
             "jobs_reissued_total", "Prompt jobs found in no Redis stream (lost with Redis) and pushed again")
+        self.redis_errors = r.counter(
+            "redis_connection_errors_total", "Redis commands that failed on the connection and were retried")
+        from services.common.queue import CONNECTION_ERROR_HOOKS
+
+        CONNECTION_ERROR_HOOKS.append(self.redis_errors.inc)
         self.resumed_from = r.gauge("resumed_from_step",
                                     "Checkpoint step this process resumed from (0: none)")
         self.queue = r.gauge("queue_messages", "Redis stream entries, by stream and kind", ("stream", "kind"))
