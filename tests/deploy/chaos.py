@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -38,7 +39,8 @@ from typing import Any
 
 import yaml
 
-from tests.deploy.engine import Compose, run, wait_for
+from services.trainer.ledger import LedgerReport, check_file
+from tests.deploy.engine import REPO, Compose, run, wait_for
 
 REPLICAS = 2
 PROGRESS_STEPS = 2
@@ -54,6 +56,7 @@ class FaultResult:
     fault: str
     recover_s: float
     visible: str = ""
+    seen: bool = False  # the fault showed in Prometheus (an up at 0, a counter that rose)
     redone: dict[str, float] = field(default_factory=dict)
     detail: str = ""
 
@@ -91,22 +94,86 @@ def fast_prometheus_config(repo: Path) -> str:
     return yaml.safe_dump(cfg)
 
 
-class Stack:
-    """Probes and faults on one running compose project."""
+SERVICES = ["redis", "sandbox", "reward", "prometheus", "rollout-cpu", "trainer-cpu"]
 
-    def __init__(self, c: Compose, prometheus_port: int) -> None:
+
+class Stack:
+    """One compose project of the CPU profile: bring-up, probes, the end of the run, tear-down."""
+
+    def __init__(self, c: Compose, prometheus_port: int, tmp: Path, cfg: dict[str, Any],
+                 run_cfg: Path) -> None:
         self.c = c
         self.prom_port = prometheus_port
+        self.tmp = tmp
+        self.cfg = cfg
+        self.run_cfg = run_cfg
+
+    @classmethod
+    def prepare(cls, tmp: Path, image: str, project: str) -> Stack:
+        """Model (init-tiny + a short SFT), data, run config, env file and override under ``tmp``."""
+        from tests.deploy.test_compose_smoke import _free_port, _prepare
+
+        model, data, run_cfg = _prepare(tmp)
+        cfg = chaos_run_config(yaml.safe_load(run_cfg.read_text()))
+        run_cfg.write_text(yaml.safe_dump(cfg))
+        prom_port = _free_port()
+        env = tmp / "chaos.env"
+        env.write_text("\n".join([
+            f"RETOOL_IMAGE={image}", f"MODEL_DIR={model}", f"DATA_DIR={data}",
+            f"RETOOL_WEIGHT_TOKEN={secrets.token_hex(16)}", f"GRAFANA_ADMIN_PASSWORD={secrets.token_hex(8)}",
+            f"PROMETHEUS_PORT={prom_port}", f"GRAFANA_PORT={_free_port()}", "SANDBOX_MAX_CONCURRENCY=8",
+            "TRAINER_CPU_THREADS=1", "TRAINER_NPROC=1", "CHECKPOINT_DIR=checkpoints",
+        ]) + "\n")
+        prom_cfg = tmp / "prometheus.yml"
+        prom_cfg.write_text(fast_prometheus_config(REPO))
+        prom_cfg.chmod(0o644)
+        override = tmp / "chaos.override.yml"
+        override.write_text(yaml.safe_dump(chaos_override(run_cfg, prom_cfg)))
+        c = Compose(project, env, [REPO / "deploy" / "docker-compose.yml", override])
+        return cls(c, prom_port, tmp, cfg, run_cfg)
+
+    def up(self) -> None:
+        """``compose up`` with REPLICAS rollout replicas; returns once 3 steps reached every replica."""
+        self.c.cmd("up", "-d", "--no-build", "--scale", f"rollout-cpu={REPLICAS}", *SERVICES, timeout=900)
+        self.wait_steps(0, n=3, timeout=900)
+        self.fleet_in_sync()
+
+    def finish(self, extra_steps: int) -> tuple[int, list[int], LedgerReport]:
+        """End the run ``extra_steps`` ahead (the limit is read by a restarted trainer); returns the
+        final step, every replica's weight version and the ledger's check."""
+        target = self.trainer_step() + extra_steps
+        self.cfg["max_steps"] = target
+        self.run_cfg.write_text(yaml.safe_dump(self.cfg))
+        since = int(time.time()) - 1
+        self.c.cmd("restart", "trainer-cpu", timeout=300)
+        done = wait_for(f"the run to end at step {target}",
+                        lambda: _log_after(self, "trainer-cpu", since, "trained to step "), timeout_s=600,
+                        interval_s=2, diag=lambda: self.c.logs("trainer-cpu", 60))
+        assert done.startswith(f"trained to step {target}"), done
+        self.c.cmd("stop", "trainer-cpu", timeout=120)
+        versions = self.c.json_from("rollout-cpu", VERSIONS)
+        ledger = self.tmp / "ledger.jsonl"
+        run(["docker", "cp", f"{self.container('trainer-cpu')}:/checkpoints/ledger.jsonl", str(ledger)],
+            timeout=60)
+        return target, versions, check_file(ledger)  # type: ignore[return-value]
+
+    def diag(self) -> str:
+        return "\n".join(f"--- {s}\n{self.c.logs(s, 60)[-4000:]}" for s in SERVICES)
+
+    def down(self) -> None:
+        self.c.cmd("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
 
     # ---- probes ------------------------------------------------------------------------------
     def container(self, service: str, index: int = 1) -> str:
         for x in self.c.containers():
             if x.get("Service") == service and int(x.get("Name", "x-0").rsplit("-", 1)[1]) == index:
                 return str(x["Name"])
-        raise AssertionError(f"no container {service}#{index}: {[x.get('Name') for x in self.c.containers()]}")
+        names = [x.get("Name") for x in self.c.containers()]
+        raise AssertionError(f"no container {service}#{index}: {names}")
 
     def inspect(self, name: str, fmt: str) -> Any:
-        return json.loads(run(["docker", "inspect", "--format", f"{{{{json {fmt}}}}}", name], timeout=60).stdout)
+        out = run(["docker", "inspect", "--format", f"{{{{json {fmt}}}}}", name], timeout=60).stdout
+        return json.loads(out)
 
     def running(self, name: str) -> bool:
         state = self.inspect(name, ".State")
@@ -142,7 +209,8 @@ class Stack:
 
     def prom(self, query: str) -> float | None:
         q = urllib.parse.quote(query)
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.prom_port}/api/v1/query?query={q}", timeout=10) as r:
+        url = f"http://127.0.0.1:{self.prom_port}/api/v1/query?query={q}"
+        with urllib.request.urlopen(url, timeout=10) as r:
             res = json.loads(r.read())["data"]["result"]
         return float(res[0]["value"][1]) if res else None
 
@@ -205,6 +273,13 @@ step = get("http://trainer:9100/healthz")["step"]
 print(json.dumps({"before": before, "versions": versions, "step": step}))
 """
 
+VERSIONS = """
+import json, socket, urllib.request
+ips = sorted({a[4][0] for a in socket.getaddrinfo("rollout", 8000, proto=socket.IPPROTO_TCP)})
+print(json.dumps([json.loads(urllib.request.urlopen(f"http://{ip}:8000/healthz", timeout=10).read())
+                  ["weight_version"] for ip in ips]))
+"""
+
 # A long tool run in flight in the sandbox (sent from a rollout container, as rollout sends it).
 SLEEPING_RUN = ("import json, urllib.request\n"
                 "body = json.dumps({'code': 'import time; time.sleep(60)', 'language': 'python', "
@@ -216,7 +291,8 @@ SLEEPING_RUN = ("import json, urllib.request\n"
 
 MEMORY_FLOOD = """
 import json, threading, urllib.request
-CODE = "x = bytearray({mb} * 2**20)\\nfor i in range(0, len(x), 4096):\\n    x[i] = 1\\nimport time; time.sleep(8)\\nprint('held')"
+CODE = ("x = bytearray({mb} * 2**20)\\nfor i in range(0, len(x), 4096):\\n    x[i] = 1\\n"
+        "import time; time.sleep(8)\\nprint('held')")
 out = []
 def one():
     body = json.dumps({{"code": CODE, "language": "python", "run_timeout": 60,
@@ -245,7 +321,8 @@ def _background(fn: Callable[[], Any]) -> threading.Thread:
 def kill_rollout(s: Stack) -> FaultResult:
     """1. SIGKILL of rollout replica 1 while it generates; restarted by its policy."""
     name = s.container("rollout-cpu", 1)
-    wait_for("replica 1 generating", lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0,
+    wait_for("replica 1 generating",
+             lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0,
              timeout_s=120, interval_s=0.5)
     reclaimed0 = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000)
     step0, r0, t0 = s.trainer_step(), s.restarts(name), time.monotonic()
@@ -256,7 +333,7 @@ def kill_rollout(s: Stack) -> FaultResult:
     took = time.monotonic() - t0
     reclaimed = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000) - reclaimed0
     up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{int(took) + 10}s])')
-    return FaultResult("rollout SIGKILL while generating", took,
+    return FaultResult("rollout SIGKILL while generating", took, seen=up0 == 0 or reclaimed > 0,
                        visible=f"min up{{job=rollout}}={up0}", redone={"groups_reclaimed": reclaimed})
 
 
@@ -278,7 +355,7 @@ def kill_sandbox(s: Stack) -> FaultResult:
     retries = s.prom_sum('rollout_retries_total{target="sandbox"}', window)
     failed = s.prom_sum('rollout_worker_jobs{outcome="failed"}', window, fn="delta")
     up0 = s.prom(f'min_over_time(up{{job="sandbox"}}[{int(window)}s])')
-    return FaultResult("sandbox SIGKILL with runs in flight", took,
+    return FaultResult("sandbox SIGKILL with runs in flight", took, seen=up0 == 0 or retries > 0,
                        visible=f"min up{{job=sandbox}}={up0}, sandbox retries +{retries:.0f}",
                        redone={"jobs_failed_and_retried": failed})
 
@@ -295,7 +372,7 @@ def kill_reward(s: Stack) -> FaultResult:
     retries = s.prom_sum('rollout_retries_total{target="reward"}', window)
     failed = s.prom_sum('rollout_worker_jobs{outcome="failed"}', window, fn="delta")
     up0 = s.prom(f'min_over_time(up{{job="reward"}}[{int(window)}s])')
-    return FaultResult("reward SIGKILL while grading", took,
+    return FaultResult("reward SIGKILL while grading", took, seen=up0 == 0 or retries > 0,
                        visible=f"min up{{job=reward}}={up0}, reward retries +{retries:.0f}",
                        redone={"jobs_failed_and_retried": failed})
 
@@ -307,8 +384,8 @@ def kill_trainer_in_checkpoint(s: Stack) -> FaultResult:
     since = int(time.time()) - 1
     s.c.cmd("exec", "-T", "trainer-cpu", "touch", HOLD_FILE, timeout=60)
     held = wait_for("the trainer holding a half-written checkpoint",
-                    lambda: _log_after(s, "trainer-cpu", since, "checkpoint hold: step "), timeout_s=RECOVER_S,
-                    interval_s=0.5)
+                    lambda: _log_after(s, "trainer-cpu", since, "checkpoint hold: step "),
+                    timeout_s=RECOVER_S, interval_s=0.5)
     held_step = int(held.split("checkpoint hold: step ", 1)[1].split()[0])
     t0 = time.monotonic()
     s.sigkill(name)
@@ -320,7 +397,7 @@ def kill_trainer_in_checkpoint(s: Stack) -> FaultResult:
     s.wait_steps(held_step)
     took = time.monotonic() - t0
     up0 = s.prom(f'min_over_time(up{{job="trainer"}}[{int(took) + 10}s])')
-    return FaultResult("trainer SIGKILL while writing a checkpoint", took,
+    return FaultResult("trainer SIGKILL while writing a checkpoint", took, seen=up0 == 0,
                        visible=f"min up{{job=trainer}}={up0}",
                        redone={"steps_repeated": held_step - resumed_step},
                        detail=f"held at step {held_step}, resumed from step {resumed_step}")
@@ -338,12 +415,13 @@ def kill_redis(s: Stack) -> FaultResult:
     trainer_errors = s.prom_sum("trainer_redis_connection_errors_total", window)
     rollout_errors = s.prom_sum('rollout_retries_total{target="redis"}', window)
     reissued = s.prom_sum("trainer_jobs_reissued_total", window + 60)
-    return FaultResult("redis SIGKILL (AOF everysec)", took,
-                       visible=f"redis connection errors: trainer +{trainer_errors:.0f}, rollout +{rollout_errors:.0f}",
+    return FaultResult("redis SIGKILL (AOF everysec)", took, seen=trainer_errors + rollout_errors > 0,
+                       visible=f"redis connection errors: trainer +{trainer_errors:.0f}, "
+                               f"rollout +{rollout_errors:.0f}",
                        redone={"jobs_reissued": reissued})
 
 
-def cut_rollout_network(s: Stack, project: str) -> FaultResult:
+def cut_rollout_network(s: Stack) -> FaultResult:
     """6. Rollout replica 2 cut off from both networks for NET_CUT_S during weight pushes: skipped
     within weight_push_wait_s; its jobs re-claimed by replica 1; a full push once it is back."""
     name = s.container("rollout-cpu", 2)
@@ -366,6 +444,7 @@ def cut_rollout_network(s: Stack, project: str) -> FaultResult:
     reclaimed = s.metric("rollout-cpu", 1, 'rollout_worker_jobs{outcome="reclaimed"}', 8000) - reclaimed0
     min_targets = s.prom(f"min_over_time(trainer_weight_push_targets[{int(took) + 10}s])")
     return FaultResult(f"rollout replica off the network {NET_CUT_S:.0f} s", took,
+                       seen=min_targets is not None and min_targets < REPLICAS,
                        visible=f"min trainer_weight_push_targets={min_targets}",
                        redone={"groups_reclaimed": reclaimed},
                        detail=f"trainer stepped {step0} -> {step0 + 3}+ while it was cut off")
@@ -386,9 +465,10 @@ def sandbox_memory_limit(s: Stack, runs: int = 8, mb: int = 300) -> FaultResult:
     failed = len(out) - held
     window = took + 10
     bad = s.prom_sum('sandbox_requests_total{status!="Success"}', window)
-    return FaultResult("sandbox container at its memory limit", took,
-                       visible=f"sandbox non-success runs +{bad:.0f}, container restarts {s.restarts(name) - r0}, "
-                               f"memcg OOM kills +{_oom_events(s) - oom0}",
+    restarts, ooms = s.restarts(name) - r0, _oom_events(s) - oom0
+    return FaultResult("sandbox container at its memory limit", took, seen=bad > 0 or restarts > 0,
+                       visible=f"sandbox non-success runs +{bad:.0f}, container restarts {restarts}, "
+                               f"memcg OOM kills +{ooms}",
                        redone={"runs_failed": failed},
                        detail=f"{held}/{len(out)} runs held {mb} MB; results {out}")
 
@@ -412,8 +492,15 @@ def _log_after(s: Stack, service: str, since: int, marker: str) -> str | None:
 
 
 def table(results: list[FaultResult]) -> str:
-    rows = ["| fault | time to recover (s) | what was redone | seen in Prometheus |", "| --- | --- | --- | --- |"]
+    rows = ["| fault | time to recover (s) | what was redone | seen in Prometheus |",
+            "| --- | --- | --- | --- |"]
     for r in results:
         redone = ", ".join(f"{k} {v:g}" for k, v in r.redone.items()) or "-"
         rows.append(f"| {r.fault} | {r.recover_s:.1f} | {redone} | {r.visible} |")
     return "\n".join(rows)
+
+
+FAULTS: tuple[Callable[[Stack], FaultResult], ...] = (
+    kill_rollout, kill_sandbox, kill_reward, kill_trainer_in_checkpoint, kill_redis, cut_rollout_network,
+    sandbox_memory_limit,
+)
