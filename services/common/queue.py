@@ -17,7 +17,9 @@ password (read from a file or an env var, never from the URL or a command line) 
 against a CA; TLS files upgrade a ``redis://`` URL to TLS, so a deployment that mounts them can
 never fall back to plain text.
 
-A client rides out a Redis restart: a command that hits a dropped or refused connection is
+A client rides out a Redis restart or a network cut: a socket that stays silent for
+``SOCKET_TIMEOUT_S`` (longer than any blocking read the services issue) counts as dropped, and a
+command that hits a dropped or refused connection is
 retried with jittered exponential pauses for about ``REDIS_RETRY_S`` (``connect``), then raised.
 Every failed attempt calls the ``CONNECTION_ERROR_HOOKS`` (the services' ``/metrics`` count them),
 so an outage the retries hide is still visible. A retried XADD may write an entry twice; readers
@@ -67,6 +69,7 @@ class RedisAuth(StrictModel):
 
 
 REDIS_RETRY_S = 40.0  # about how long a command waits for a restarting Redis before it fails
+SOCKET_TIMEOUT_S = 30.0  # a silent socket (a cut network) is dropped after this; blocking reads are shorter
 CONNECTION_ERROR_HOOKS: list[Callable[[], None]] = []  # called once per failed attempt
 
 
@@ -84,7 +87,8 @@ def _retry_kwargs() -> dict[str, object]:
     # pauses of 0.5, 1, 2, 4 then 5 s (+ jitter): 12 attempts span about REDIS_RETRY_S
     return {"retry": _CountedRetry(ExponentialWithJitterBackoff(base=0.5, cap=5.0), 12,
                                    supported_errors=(RedisConnectionError, RedisTimeoutError, OSError)),
-            "retry_on_error": [RedisConnectionError, RedisTimeoutError, OSError]}
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError, OSError],
+            "socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": 10.0, "socket_keepalive": True}
 
 
 def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:

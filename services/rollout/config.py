@@ -49,7 +49,8 @@ class RedisWorkerConfig(StrictModel):
     group: str = Field("rollout", description="consumer group of the prompts stream")
     consumer: str | None = Field(None, description="consumer name; default hostname-pid")
     concurrency: int = Field(4, ge=1, description="prompt jobs processed at once by this replica")
-    block_ms: int = Field(1000, ge=1)
+    block_ms: int = Field(1000, ge=1, le=20_000, description=(
+        "longest blocking read; below the Redis client's socket timeout (services/common/queue.py)"))
     claim_idle_ms: int = Field(60_000, ge=100, description="re-claim jobs idle this long (crashed consumer)")
     heartbeat_ms: int = Field(10_000, ge=50, description="how often in-progress jobs are touched")
     drain_s: float = Field(30.0, ge=0, description="on shutdown, time given to running jobs to finish")

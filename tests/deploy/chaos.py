@@ -146,10 +146,9 @@ class Stack:
         self.run_cfg.write_text(yaml.safe_dump(self.cfg))
         since = int(time.time()) - 1
         self.c.cmd("restart", "trainer-cpu", timeout=300)
-        done = wait_for(f"the run to end at step {target}",
-                        lambda: _log_after(self, "trainer-cpu", since, "trained to step "), timeout_s=600,
-                        interval_s=2, diag=lambda: self.c.logs("trainer-cpu", 60))
-        assert done.startswith(f"trained to step {target}"), done
+        wait_for(f"the run to end at step {target}",  # (the stop before the restart prints an earlier step)
+                 lambda: _log_after(self, "trainer-cpu", since, f"trained to step {target}\n"), timeout_s=600,
+                 interval_s=2, diag=lambda: self.c.logs("trainer-cpu", 60))
         self.c.cmd("stop", "trainer-cpu", timeout=120)
         versions = self.c.json_from("rollout-cpu", VERSIONS)
         ledger = self.tmp / "ledger.jsonl"
@@ -332,9 +331,14 @@ def kill_rollout(s: Stack) -> FaultResult:
     s.wait_steps(step0)
     took = time.monotonic() - t0
     reclaimed = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000) - reclaimed0
-    up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{int(took) + 10}s])')
-    return FaultResult("rollout SIGKILL while generating", took, seen=up0 == 0 or reclaimed > 0,
-                       visible=f"min up{{job=rollout}}={up0}", redone={"groups_reclaimed": reclaimed})
+    window = int(took) + 10
+    up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{window}s])')
+    restarted = s.prom_sum("rollout_start_time_seconds", window, fn="changes")
+    return FaultResult("rollout SIGKILL while generating", took, seen=up0 == 0 or restarted > 0,
+                       visible=f"min up{{job=rollout}}={up0}, "
+                               f"rollout_start_time_seconds changes +{restarted:.0f}",
+                       redone={"groups_reclaimed": reclaimed},
+                       detail="the restarted replica (same consumer name) takes its own pending jobs back")
 
 
 def kill_sandbox(s: Stack) -> FaultResult:
@@ -426,7 +430,11 @@ def cut_rollout_network(s: Stack) -> FaultResult:
     within weight_push_wait_s; its jobs re-claimed by replica 1; a full push once it is back."""
     name = s.container("rollout-cpu", 2)
     nets = list(s.inspect(name, ".NetworkSettings.Networks"))
+    wait_for("replica 2 generating",
+             lambda: s.metric("rollout-cpu", 2, "rollout_worker_jobs_in_flight", 8000) > 0,
+             timeout_s=120, interval_s=0.5)
     reclaimed0 = s.metric("rollout-cpu", 1, 'rollout_worker_jobs{outcome="reclaimed"}', 8000)
+    done0 = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="done"}', 8000)
     step0, t0 = s.trainer_step(), time.monotonic()
     for net in nets:
         run(["docker", "network", "disconnect", net, name], timeout=60)
@@ -439,6 +447,10 @@ def cut_rollout_network(s: Stack) -> FaultResult:
             run(["docker", "network", "connect", "--alias", "rollout", "--alias", "rollout-cpu", net, name],
                 timeout=60)
     s.fleet_in_sync()
+    # back at work, not only back on the network: its Redis connections died with the cut
+    wait_for("replica 2 finishing jobs again",
+             lambda: s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="done"}', 8000) > done0,
+             timeout_s=RECOVER_S, interval_s=1, diag=lambda: s.c.logs("rollout-cpu", 60))
     s.wait_steps(s.trainer_step())
     took = time.monotonic() - t0
     reclaimed = s.metric("rollout-cpu", 1, 'rollout_worker_jobs{outcome="reclaimed"}', 8000) - reclaimed0
