@@ -58,7 +58,7 @@ def main() -> int:
             time.sleep(rng.uniform(0, args.max_gap_s))
             fault = rng.choice(chaos.FAULTS)
             try:
-                r = fault(s)
+                r = chaos.inject(s, fault)
             except AssertionError as exc:  # a fault that did not recover within its deadline
                 failures.append(f"{fault.__name__}: {str(exc)[:500]}")
                 print(f"FAILED {fault.__name__}: {str(exc)[:300]}", flush=True)
@@ -82,6 +82,8 @@ def main() -> int:
         "steps_repeated": sum(r.redone.get("steps_repeated", 0) for r in results),
         "max_recovery_s": round(max((r.recover_s for r in results), default=0.0), 1),
         "not_seen_in_prometheus": [r.fault for r in results if not r.seen],
+        "unexpected_trainer_restarts": sum(r.trainer_restarts for r in results
+                                           if not r.fault.startswith("trainer")),
         "ledger": report.as_dict() if report is not None else None,
         "failures": failures,
     }
@@ -89,7 +91,8 @@ def main() -> int:
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps({**summary, "faults": [r.__dict__ for r in results]}, indent=2))
-    return 0 if not failures and report is not None and report.ok else 1
+    ok = not failures and report is not None and report.ok and not summary["unexpected_trainer_restarts"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class FaultResult:
     recover_s: float
     visible: str = ""
     seen: bool = False  # the fault showed in Prometheus (an up at 0, a counter that rose)
+    trainer_restarts: int = 0  # of the trainer container while the fault was injected and recovered
     redone: dict[str, float] = field(default_factory=dict)
     detail: str = ""
 
@@ -483,6 +484,15 @@ def sandbox_memory_limit(s: Stack, runs: int = 8, mb: int = 300) -> FaultResult:
                                f"memcg OOM kills +{ooms}",
                        redone={"runs_failed": failed},
                        detail=f"{held}/{len(out)} runs held {mb} MB; results {out}")
+
+
+def inject(s: Stack, fault: Callable[[Stack], FaultResult]) -> FaultResult:
+    """Run one fault and count the trainer's restarts meanwhile (only its own fault may restart it)."""
+    trainer = s.container("trainer-cpu")
+    r0 = s.restarts(trainer)
+    r = fault(s)
+    r.trainer_restarts = s.restarts(trainer) - r0
+    return r
 
 
 def _oom_events(s: Stack) -> int:
