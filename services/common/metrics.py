@@ -6,6 +6,7 @@ demo) can live in one process without duplicate-metric errors.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from fastapi import FastAPI, Response
@@ -27,6 +28,9 @@ class MetricsRegistry:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.registry = CollectorRegistry()
+        # a restart shows as a change of this value (``changes(<prefix>_start_time_seconds[5m])``),
+        # even when it is quicker than a scrape interval and ``up`` never reads 0
+        self.gauge("start_time_seconds", "Unix time this service's metrics were created").set(time.time())
 
     def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(f"{self.prefix}_{name}", doc, labels, registry=self.registry)

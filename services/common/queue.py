@@ -16,15 +16,29 @@ Across machines the connection is authenticated and encrypted (``RedisAuth``): a
 password (read from a file or an env var, never from the URL or a command line) and TLS, verified
 against a CA; TLS files upgrade a ``redis://`` URL to TLS, so a deployment that mounts them can
 never fall back to plain text.
+
+A client rides out a Redis restart or a network cut: a socket that stays silent for
+``SOCKET_TIMEOUT_S`` (longer than any blocking read the services issue) counts as dropped, and a
+command that hits a dropped or refused connection is
+retried with jittered exponential pauses for about ``REDIS_RETRY_S`` (``connect``), then raised.
+Every failed attempt calls the ``CONNECTION_ERROR_HOOKS`` (the services' ``/metrics`` count them),
+so an outage the retries hide is still visible. A retried XADD may write an entry twice; readers
+dedupe (see above).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import Field, model_validator
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.config import ConfigError, StrictModel
 from services.common.security import SecretRef, TLSClientFiles
@@ -54,10 +68,33 @@ class RedisAuth(StrictModel):
         return self
 
 
+REDIS_RETRY_S = 40.0  # about how long a command waits for a restarting Redis before it fails
+SOCKET_TIMEOUT_S = 30.0  # a silent socket (a cut network) is dropped after this; blocking reads are shorter
+CONNECTION_ERROR_HOOKS: list[Callable[[], None]] = []  # called once per failed attempt
+
+
+class _CountedRetry(Retry):
+    async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        async def counted(error: Exception, *rest: Any) -> Any:
+            for hook in CONNECTION_ERROR_HOOKS:
+                hook()
+            return await fail(error, *rest)
+
+        return await super().call_with_retry(do, counted, *args, **kwargs)
+
+
+def _retry_kwargs() -> dict[str, object]:
+    # pauses of 0.5, 1, 2, 4 then 5 s (+ jitter): 12 attempts span about REDIS_RETRY_S
+    return {"retry": _CountedRetry(ExponentialWithJitterBackoff(base=0.5, cap=5.0), 12,
+                                   supported_errors=(RedisConnectionError, RedisTimeoutError, OSError)),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError, OSError],
+            "socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": 10.0, "socket_keepalive": True}
+
+
 def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:
     """A client for ``redis[s]://host:port/db`` (bytes responses), as ``auth``'s user over its TLS."""
     if auth is None:
-        return aioredis.Redis.from_url(url, decode_responses=False)
+        return aioredis.Redis.from_url(url, decode_responses=False, **_retry_kwargs())
     if "@" in url.split("//", 1)[-1].split("/", 1)[0]:
         raise ConfigError("redis url: put no credentials in the URL; use the auth settings "
                           "(username, password.file)")
@@ -73,7 +110,7 @@ def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:
         kwargs.update(ssl_ca_certs=auth.tls.ca_file, ssl_check_hostname=True, ssl_cert_reqs="required")
         if auth.tls.cert_file:
             kwargs.update(ssl_certfile=auth.tls.cert_file, ssl_keyfile=auth.tls.key_file)
-    return aioredis.Redis.from_url(url, decode_responses=False, **kwargs)
+    return aioredis.Redis.from_url(url, decode_responses=False, **kwargs, **_retry_kwargs())
 
 
 def _id(raw: bytes | str) -> str:

@@ -31,7 +31,8 @@ class AgentConfig(ChatFormat):
     sandbox_memory_mb: int = Field(1024, ge=16)
     sandbox_request_timeout_s: float = Field(60.0, gt=0, description=(
         "time budget of one tool call (/run_code or /sessions), retries and their pauses included"))
-    sandbox_retries: int = Field(2, ge=0, description="retries on connection errors, 429 and 5xx")
+    sandbox_retries: int = Field(8, ge=0, description=(
+        "retries on connection errors, 429 and 5xx (8: about 20 s of pauses, enough for a sandbox restart)"))
     sandbox_retry_backoff_s: float = Field(0.2, ge=0, description=(
         "first pause between retries (doubling, plus jitter; a Retry-After answer sets it)"))
     reward_timeout_s: float = Field(60.0, gt=0, description=(
@@ -48,7 +49,8 @@ class RedisWorkerConfig(StrictModel):
     group: str = Field("rollout", description="consumer group of the prompts stream")
     consumer: str | None = Field(None, description="consumer name; default hostname-pid")
     concurrency: int = Field(4, ge=1, description="prompt jobs processed at once by this replica")
-    block_ms: int = Field(1000, ge=1)
+    block_ms: int = Field(1000, ge=1, le=20_000, description=(
+        "longest blocking read; below the Redis client's socket timeout (services/common/queue.py)"))
     claim_idle_ms: int = Field(60_000, ge=100, description="re-claim jobs idle this long (crashed consumer)")
     heartbeat_ms: int = Field(10_000, ge=50, description="how often in-progress jobs are touched")
     drain_s: float = Field(30.0, ge=0, description="on shutdown, time given to running jobs to finish")

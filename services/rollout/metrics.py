@@ -42,6 +42,11 @@ class RolloutMetrics(AgentObserver):
             ("target", "reason"))
         for target in ("sandbox", "reward"):  # the series exist (at 0) before the first retry
             self.retries.labels(target, "connect")
+        self.retries.labels("redis", "connection")
+        from services.common.queue import CONNECTION_ERROR_HOOKS
+
+        # the queue client's retries of a restarting Redis (services/common/queue.py)
+        CONNECTION_ERROR_HOOKS.append(self.retries.labels("redis", "connection").inc)
 
     # AgentObserver
     def tokens_generated(self, n: int) -> None:

@@ -23,7 +23,7 @@ from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
 from services.common.schemas import Group, version_range
 from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, Tokenizer
-from services.rollout.agent.sandbox import SandboxClient
+from services.rollout.agent.sandbox import SandboxClient, SandboxUnavailable
 from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams, engine_error
@@ -257,6 +257,9 @@ def create_app(
                 trajs = await agent.run_group(prompt_ids, req.n, **kwargs)
             except RewardUnavailable as exc:
                 metrics.requests.labels("reward_error").inc()
+                return JSONResponse(status_code=502, content={"detail": str(exc)})
+            except SandboxUnavailable as exc:
+                metrics.requests.labels("sandbox_error").inc()
                 return JSONResponse(status_code=502, content={"detail": str(exc)})
             finally:
                 state["in_flight"] -= 1

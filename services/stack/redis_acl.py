@@ -4,7 +4,8 @@ Invariants (enforced by Redis itself, ``--aclfile``; tests/integration/test_secu
 them against a real redis-server):
 - ``default`` is off: a connection that does not authenticate can run nothing (not even PING);
 - ``trainer`` may add prompt jobs (XADD on the prompts stream) and consume scored groups (read,
-  acknowledge, delete, claim on the groups stream); it cannot add a group;
+  acknowledge, delete, claim on the groups stream) and dead letters; it may XRANGE the prompts
+  and groups streams (to find jobs lost with a Redis restart); it cannot add a group;
 - ``rollout`` may consume prompt jobs and add groups and dead letters; it cannot add a prompt job,
   nor read the groups it wrote as a consumer;
 - ``health`` may only PING (the container health check);
@@ -47,7 +48,8 @@ def acl_file(passwords: dict[str, str], prompts: str = "retool:prompts",
         "user default off resetkeys resetchannels -@all",
         f"user health {base} {_hash(passwords['health'])} +ping",
         (f"user trainer {base} {_hash(passwords['trainer'])} {COMMON} "
-         f"(~{prompts}* +xadd {OBSERVE}) (~{groups}* {CONSUME})"),
+         f"(~{prompts}* +xadd +xrange {OBSERVE}) (~{groups}* {CONSUME} +xrange) "
+         f"(~{prompts}*:dead {CONSUME})"),
         (f"user rollout {base} {_hash(passwords['rollout'])} {COMMON} "
          f"(~{prompts}* {CONSUME}) (~{groups}* ~{prompts}*:dead +xadd {OBSERVE})"),
     ]

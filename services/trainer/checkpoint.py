@@ -5,7 +5,14 @@ Invariants
 - A checkpoint directory ``step_<NNNNNNNN>`` exists only once complete: everything is written to
   ``.tmp-step_<N>``, all ranks meet at a barrier, then rank 0 writes ``meta.json`` and renames the
   directory atomically. A crash mid-save leaves only a ``.tmp-*`` directory, which is ignored
-  by ``latest_checkpoint`` and removed by the next save.
+  by ``latest_checkpoint`` and removed by the next save. Every file is fsync'd before the rename
+  and the parent directory after it, so a power cut cannot leave a renamed directory with
+  missing data. A crash between the two renames of a re-save leaves the previous copy as
+  ``.tmp-step_<N>.replaced``; it is taken as ``step_<N>`` when that is missing.
+- Fault injection (tests/deploy chaos test): with ``RETOOL_FAULT_CHECKPOINT_HOLD_FILE`` set and
+  that file present, rank 0 logs ``checkpoint hold`` and waits (while the file exists, at most
+  300 s) after the state is written and before ``meta.json``: a kill then hits a half-written
+  checkpoint, deterministically.
 - Loading restores weights, optimizer state (Adam moments, step counts) and this rank's RNG
   states, and returns the saved step, so a resumed run continues exactly where it stopped.
 - Works unchanged with and without a process group (single process, tests).
@@ -18,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +43,43 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
+_REPLACED_RE = re.compile(r"^\.tmp-step_(\d{8})\.replaced$")
+FAULT_HOLD_FILE = "RETOOL_FAULT_CHECKPOINT_HOLD_FILE"
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under ``root``, then every directory (their entries), deepest first."""
+    dirs = []
+    for dirpath, _, filenames in os.walk(root):
+        dirs.append(dirpath)
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in reversed(dirs):
+        _fsync_dir(Path(d))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fault_hold(step: int) -> None:
+    hold = os.environ.get(FAULT_HOLD_FILE)
+    if not hold or not os.path.exists(hold):
+        return
+    from services.common.logging import get_logger
+
+    get_logger("trainer.checkpoint").warning("checkpoint hold: step %d half-written (fault injection)", step)
+    deadline = time.monotonic() + 300
+    while os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 @dataclass
@@ -83,13 +129,21 @@ def list_checkpoints(root: str | Path) -> list[CheckpointMeta]:
     base = Path(root)
     if not base.is_dir():
         return []
-    out = []
+    out: dict[int, CheckpointMeta] = {}
+    replaced: dict[int, Path] = {}
     for child in base.iterdir():
         m = _STEP_RE.match(child.name)
         if m and (child / "meta.json").is_file():
             meta = json.loads((child / "meta.json").read_text())
-            out.append(CheckpointMeta(step=int(m.group(1)), path=child, extra=meta.get("extra", {})))
-    return sorted(out, key=lambda c: c.step)
+            step = int(m.group(1))
+            out[step] = CheckpointMeta(step=step, path=child, extra=meta.get("extra", {}))
+        elif (r := _REPLACED_RE.match(child.name)) and (child / "meta.json").is_file():
+            replaced[int(r.group(1))] = child
+    for step, child in replaced.items():  # a re-save cut between its two renames
+        if step not in out:
+            meta = json.loads((child / "meta.json").read_text())
+            out[step] = CheckpointMeta(step=step, path=child, extra=meta.get("extra", {}))
+    return [out[k] for k in sorted(out)]
 
 
 def latest_checkpoint(root: str | Path) -> CheckpointMeta | None:
@@ -133,15 +187,19 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
         dcp.save({"model": model_sd, "optim": optim_sd, **_component_states(components)},
                  checkpoint_id=str(tmp / "state"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        _fault_hold(step)
     _barrier()
     if rank == 0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": world, "extra": extra or {},
                                                    "components": sorted(components or {})}))
+        _fsync_tree(tmp)
         if final.exists():  # re-saving a step (a stop right after its save): never without a copy
             old = base / f".tmp-step_{step:08d}.replaced"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
         tmp.rename(final)
+        _fsync_dir(base)
         _prune(base, keep_last)
     _barrier()
     return final

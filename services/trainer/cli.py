@@ -1,4 +1,4 @@
-"""``retool trainer run | export``."""
+"""``retool trainer run | export | ledger``."""
 
 from __future__ import annotations
 
@@ -52,3 +52,46 @@ def export(
     from services.trainer.export import export_hf
 
     typer.echo(f"wrote {export_hf(checkpoint, model, out)}")
+
+
+@app.command("ledger")
+def ledger(
+    path: Path = typer.Argument(..., help="ledger.jsonl, or the checkpoint directory"),
+    print_records: bool = typer.Option(False, "--print", help="print every record, one per line"),
+    as_json: bool = typer.Option(False, "--json", help="print the check's report as JSON"),
+) -> None:
+    """Check the training ledger: every admitted job trained or dropped once, never twice, never lost.
+
+    Exit status 1 when the invariant does not hold (the report names each violation).
+    """
+    import json
+
+    from services.trainer.ledger import LEDGER_FILE, check_file, iter_lines
+
+    file = path / LEDGER_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise typer.BadParameter(f"no ledger at {file} (it is written to trainer.checkpoint_dir)",
+                                 param_hint="PATH")
+    try:
+        if print_records:
+            for line in iter_lines(file):
+                typer.echo(line)
+        report = check_file(file)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(report.as_dict()))
+    else:
+        d = report.as_dict()
+        typer.echo(f"steps {d['steps']}  admitted {d['admitted']}  trained {d['trained_groups']}  "
+                   f"dropped {d['dropped']}  outstanding {d['outstanding']}")
+        typer.echo(f"duplicates ignored {d['duplicates']}  re-issued {d['reissued']}  "
+                   f"resumes {d['resumes']}  "
+                   f"steps redone {d['steps_redone']}  groups redone {d['groups_redone']}"
+                   + ("  (torn last line ignored)" if d["torn_tail"] else ""))
+        for v in report.violations:
+            typer.echo(f"VIOLATION {v}")
+        typer.echo("ledger OK" if report.ok else f"ledger BROKEN: {len(report.violations)} violation(s)")
+    if not report.ok:
+        raise typer.Exit(1)

@@ -15,7 +15,14 @@ Invariants:
   is a duplicate; a duplicate (same ``job_id``, at-least-once delivery) changes no state. Drops
   are counted by reason and acknowledged with the next ``commit()`` (like used groups): a crash
   before the checkpoint that holds the returned slots delivers them again and they are resolved
-  again, so the admission state stays exact across a resume.
+  again, so the admission state stays exact across a resume;
+- ``PromptFeeder.outstanding`` holds the cursor of every admitted job not resolved yet (no group
+  kept or dropped, not dead-lettered); it is in the checkpoint state. A job found nowhere in
+  Redis (``vanished``: not in the prompts stream, the groups stream nor the dead letters, read in
+  one MULTI/EXEC snapshot; a job moves between them atomically, so a live one is always in one)
+  was lost with Redis (AOF everysec loses up to a second) and is ``reissue``d under its own id;
+- ``DeadLetters`` resolves outstanding jobs that a rollout replica gave up on
+  (``<prompts>:dead``), with the replica's reason, and gives their admission slots back.
 """
 
 from __future__ import annotations
@@ -24,9 +31,12 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgpack
+
 from services.common.logging import get_logger
 from services.common.queue import RedisStream, StreamMessage
 from services.common.schemas import Group, PromptJob
+from services.trainer.ledger import LedgerWriter
 from services.trainer.staleness import StalenessManager
 
 log = get_logger("trainer.feed")
@@ -34,37 +44,161 @@ log = get_logger("trainer.feed")
 
 class PromptFeeder:
     def __init__(
-        self, stream: RedisStream, dataset: Sequence[PromptJob], manager: StalenessManager, *, epochs: int = 1
+        self, stream: RedisStream, dataset: Sequence[PromptJob], manager: StalenessManager, *,
+        epochs: int = 1, ledger: LedgerWriter | None = None,
     ) -> None:
         self.stream = stream
         self.dataset = dataset
         self.manager = manager
         self.epochs = epochs
+        self.ledger = ledger
         self.cursor = 0  # jobs pushed so far, over all epochs
+        self.outstanding: set[int] = set()  # cursors of admitted jobs not resolved yet
 
     @property
     def exhausted(self) -> bool:
         return self.cursor >= len(self.dataset) * self.epochs
 
+    def job(self, cursor: int) -> PromptJob:
+        """The job admitted at ``cursor`` (its id: ``<dataset job id>:<cursor>``)."""
+        job = self.dataset[cursor % len(self.dataset)]
+        return job.model_copy(update={"job_id": f"{job.job_id}:{cursor}",
+                                      "policy_version": self.manager.version})
+
+    @staticmethod
+    def cursor_of(job_id: str) -> int | None:
+        tail = job_id.rsplit(":", 1)[-1]
+        return int(tail) if tail.isdigit() else None
+
+    def resolve(self, job_id: str) -> bool:
+        """Mark a job resolved (kept, dropped or dead-lettered); False when it was not outstanding."""
+        cursor = self.cursor_of(job_id)
+        if cursor is None or cursor not in self.outstanding:
+            return False
+        self.outstanding.discard(cursor)
+        return True
+
+    def unresolve(self, job_id: str) -> None:
+        """A kept group given back unused (``GroupReader.release``): its job is outstanding again."""
+        cursor = self.cursor_of(job_id)
+        if cursor is not None and cursor < self.cursor:
+            self.outstanding.add(cursor)
+
+    def is_outstanding(self, job_id: str) -> bool:
+        cursor = self.cursor_of(job_id)
+        return cursor is not None and cursor in self.outstanding
+
     async def top_up(self) -> int:
         """Push as many jobs as admission control allows; returns how many were pushed."""
         left = len(self.dataset) * self.epochs - self.cursor
         granted = self.manager.admit(left)
-        for _ in range(granted):
-            job = self.dataset[self.cursor % len(self.dataset)]
-            job = job.model_copy(
-                update={"job_id": f"{job.job_id}:{self.cursor}", "policy_version": self.manager.version}
-            )
+        jobs = [self.job(self.cursor + i) for i in range(granted)]
+        if self.ledger is not None:  # recorded before any of them can be trained on
+            self.ledger.admit([j.job_id for j in jobs])
+        for job in jobs:
             await self.stream.add(job.to_msgpack())
+            self.outstanding.add(self.cursor)
             self.cursor += 1
         return granted
 
-    def state_dict(self) -> dict[str, int]:
-        return {"cursor": self.cursor, **self.manager.state_dict()}
+    async def vanished(self, groups_stream: str, dead_stream: str) -> list[str]:
+        """Outstanding jobs found in none of the prompts, groups and dead-letter streams."""
+        if not self.outstanding:
+            return []
+        client = self.stream.client
+        async with client.pipeline(transaction=True) as pipe:  # one consistent snapshot
+            pipe.xrange(self.stream.stream, "-", "+")
+            pipe.xrange(groups_stream, "-", "+")
+            pipe.xrange(dead_stream, "-", "+")
+            streams = await pipe.execute()
+        present: set[str] = set()
+        for entries in streams:
+            for _, fields in entries or []:
+                job_id = job_id_of(fields.get(b"d", b"")) if fields else None
+                if job_id is not None:
+                    present.add(job_id)
+        return [self.job(c).job_id for c in sorted(self.outstanding) if self.job(c).job_id not in present]
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.cursor = int(state["cursor"])
-        self.manager.load_state_dict(state)
+    async def reissue(self, job_ids: list[str]) -> int:
+        """Push vanished jobs again under their own ids (their admission slots are still held)."""
+        cursors = [c for j in job_ids if (c := self.cursor_of(j)) is not None and c in self.outstanding]
+        if not cursors:
+            return 0
+        if self.ledger is not None:
+            self.ledger.write("reissue", job_ids=[self.job(c).job_id for c in cursors])
+        for c in cursors:
+            await self.stream.add(self.job(c).to_msgpack())
+        log.warning("re-issued %d prompt jobs that vanished from Redis", len(cursors),
+                    extra={"job_ids": [self.job(c).job_id for c in cursors][:20]})
+        return len(cursors)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"cursor": self.cursor, "outstanding": sorted(self.outstanding), **self.manager.state_dict()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.cursor = int(state["cursor"])  # type: ignore[call-overload]
+        self.outstanding = {int(c) for c in state.get("outstanding", [])}  # type: ignore[union-attr]
+        self.manager.load_state_dict(state)  # type: ignore[arg-type]
+
+
+def job_id_of(raw: bytes) -> str | None:
+    """The ``job_id`` of a msgpack'd job or group, without decoding the rest; None if unreadable."""
+    try:
+        data = msgpack.unpackb(raw, raw=False)
+    except Exception:  # msgpack raises several unrelated types
+        return None
+    job_id = data.get("job_id") if isinstance(data, dict) else None
+    return job_id if isinstance(job_id, str) else None
+
+
+class DeadLetters:
+    """The trainer's consumer of ``<prompts>:dead``: jobs the rollout fleet gave up on.
+
+    Entries are acknowledged with the trainer's ``commit()`` (like groups): a crash before the
+    checkpoint that holds their resolution delivers them again.
+    """
+
+    def __init__(self, stream: RedisStream, consumer: str) -> None:
+        self.stream = stream
+        self.consumer = consumer
+        self._uncommitted: list[str] = []
+        self._pending_after: str | None = "0"
+
+    async def read(self) -> list[tuple[str | None, str]]:
+        """New dead letters as (job id, reason); never blocks."""
+        msgs: list[StreamMessage] = []
+        if self._pending_after is not None:
+            msgs = await self.stream.read_own_pending(self.consumer, count=100, after=self._pending_after)
+            if msgs:
+                self._pending_after = msgs[-1].id
+            else:
+                self._pending_after = None
+        if not msgs:
+            msgs = await self.stream.read(self.consumer, count=100)
+        out: list[tuple[str | None, str]] = []
+        if not msgs:
+            return out
+        reasons = await self._reasons([m.id for m in msgs])
+        for m in msgs:
+            self._uncommitted.append(m.id)
+            out.append((job_id_of(m.data), reasons.get(m.id, "")))
+        return out
+
+    async def _reasons(self, ids: list[str]) -> dict[str, str]:
+        async with self.stream.client.pipeline(transaction=False) as pipe:
+            for i in ids:
+                pipe.xrange(self.stream.stream, i, i)
+            found = await pipe.execute()
+        out = {}
+        for i, entries in zip(ids, found, strict=True):
+            if entries:
+                raw = entries[0][1].get(b"reason", b"")
+                out[i] = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        return out
+
+    async def commit(self) -> int:
+        ids, self._uncommitted = self._uncommitted, []
+        return await self.stream.ack(*ids, delete=True)
 
 
 def group_version(group: Group) -> int:
@@ -79,6 +213,8 @@ class Batch:
     dropped: Counter[str] = field(default_factory=Counter)
     staleness: list[int] = field(default_factory=list)
     dropped_ids: list[str] = field(default_factory=list)  # acknowledged with the next commit()
+    drops: list[tuple[str, str]] = field(default_factory=list)  # (job id, reason) resolved by a drop
+    duplicates: list[str] = field(default_factory=list)  # job ids of groups dropped as duplicates
 
 
 class GroupReader:
@@ -102,6 +238,10 @@ class GroupReader:
                 return own
             self._pending_after = None
         return await self.stream.read(self.consumer, count=count, block_ms=block_ms)
+
+    def remember(self, job_id: str) -> None:
+        """Count ``job_id`` as resolved (a dead letter): a group for it later is a duplicate."""
+        self._remember(job_id)
 
     def _remember(self, job_id: str) -> None:
         self._seen.add(job_id)
@@ -131,10 +271,17 @@ class GroupReader:
                 try:
                     group = Group.from_msgpack(m.data)
                 except ValueError as exc:
-                    log.warning("dropping malformed group", extra={"entry": m.id, "error": str(exc)[:500]})
+                    job_id = job_id_of(m.data)
+                    log.warning("dropping malformed group",
+                                extra={"entry": m.id, "job_id": job_id, "error": str(exc)[:500]})
                     batch.dropped["malformed"] += 1
                     batch.dropped_ids.append(m.id)
-                    self.manager.release(1)  # its job can never be accepted now
+                    if job_id is not None and job_id not in self._seen:  # its job can never be accepted now
+                        self._remember(job_id)
+                        self.manager.release(1)
+                        batch.drops.append((job_id, "malformed"))
+                    # without a readable job id the slot stays held: the job, if it was one, is
+                    # found vanished once this entry is acknowledged, and re-issued
                     continue
                 reason = None
                 if group.job_id in self._seen:
@@ -157,6 +304,9 @@ class GroupReader:
                     if reason != "duplicate":  # its job is resolved: remember it, give the slot back
                         self._remember(group.job_id)
                         self.manager.release(1)
+                        batch.drops.append((group.job_id, reason))
+                    else:
+                        batch.duplicates.append(group.job_id)
                     continue
                 self._remember(group.job_id)
                 batch.groups.append(group)

@@ -8,7 +8,12 @@ Per step (rank 0 does all I/O; every rank trains):
    ``ppo.ppo_train_step``: critic values, GAE advantages, critic update, actor update;
 4. gather the full weights, push them to every rollout replica over gRPC, bump the version;
 5. every ``save_freq`` steps (and on SIGTERM): checkpoint model, optimizer (and the critic's), RNG, step,
-   version, dataset cursor and seen job ids — then acknowledge the groups those steps used.
+   version, dataset cursor, outstanding and seen job ids — then acknowledge the groups (and dead
+   letters) those steps used.
+
+The training ledger (``ledger.py``, ``<checkpoint_dir>/ledger.jsonl``) records every admission,
+every step's job ids, every drop with its reason, re-issues, checkpoints and resumes, so
+``retool trainer ledger`` can prove that no admitted job was trained twice or lost silently.
 
 Invariants: a resumed run continues from its last checkpoint with the same version, cursor
 and admission state; groups used after that checkpoint were never acknowledged, so they
@@ -180,27 +185,38 @@ class Trainer:
 
     async def _setup_streams(self) -> None:
         from services.common.queue import RedisStream, connect
-        from services.trainer.feed import GroupReader, PromptFeeder
+        from services.trainer.feed import DeadLetters, GroupReader, PromptFeeder
+        from services.trainer.ledger import LedgerWriter, ledger_path
 
         self.redis = connect(self.cfg.redis_url, self.cfg.redis_auth)
         groups = RedisStream(self.redis, self.cfg.groups_stream, self.cfg.consumer_group)
         await groups.ensure_group()
+        dead = RedisStream(self.redis, f"{self.cfg.prompts_stream}:dead", self.cfg.consumer_group)
+        await dead.ensure_group()
         prompts = RedisStream(self.redis, self.cfg.prompts_stream)
         jobs = load_prompt_jobs(self.cfg.dataset, self.tcfg.group_size, self.cfg.sampling, self.cfg.max_turns)
         self.manager = StalenessManager(self.tcfg.batch_prompts, self.tcfg.max_staleness)
-        self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs)
+        self.ledger = LedgerWriter(ledger_path(self.tcfg.checkpoint_dir))
+        self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs,
+                                   ledger=self.ledger)
         self.reader = GroupReader(groups, self.cfg.consumer, self.manager)
+        self.dead = DeadLetters(dead, self.cfg.consumer)
 
     def _resume(self) -> int:
         from services.trainer.checkpoint import latest_checkpoint, load_checkpoint
+        from services.trainer.observability import note_resumed
 
         latest = latest_checkpoint(self.tcfg.checkpoint_dir)
         if latest is None:
+            if self.rank == 0:
+                self.ledger.write("resume", step=0)
             return 0
         meta = load_checkpoint(latest.path, self.actor, self.optimizer, components=self._components())
         if self.rank == 0:
             self.feeder.load_state_dict(meta.extra["feeder"])
             self.reader.load_state_dict(meta.extra["reader"])
+            self.ledger.write("resume", step=meta.step)
+            note_resumed(meta.step)
         log.info(
             "resumed from %s (step %d, version %d)", latest.path, meta.step, meta.extra["feeder"]["version"]
         )
@@ -225,16 +241,17 @@ class Trainer:
                 return len({t.reward for t in g.trajectories}) > 1
 
         deadline = time.monotonic() + self.cfg.group_wait_s
+        last_group = time.monotonic()
         held = Batch([], [])
         dropped: dict[str, int] = {}
         limit = self.tcfg.dynamic_sampling.max_groups_pulled
         while len(held.groups) < self.tcfg.batch_prompts:
             if self.stop_requested:
-                self.reader.release(held)
+                self._release(held)
                 log.info("stop requested while waiting for groups; releasing %d held", len(held.groups))
                 return "stop"
             if self.feeder.exhausted and self.manager.in_flight(len(held.groups)) <= 0:
-                self.reader.release(held)
+                self._release(held)
                 log.warning(
                     "the dataset is used up (%d prompt jobs over total_epochs=%d, all resolved) with %d of "
                     "%d groups for the next batch (dropped this batch: %s); ending the run",
@@ -264,6 +281,15 @@ class Trainer:
             batch = await self.reader.next_batch(
                 self.tcfg.batch_prompts - len(held.groups), keep=keep, block_ms=1000, max_wait_rounds=1
             )
+            self._account(batch)
+            dead = await self._dead_letters()
+            if dead:
+                batch.dropped["dead_lettered"] += dead
+            if batch.groups or batch.dropped:
+                last_group = time.monotonic()
+            elif time.monotonic() - last_group > self.cfg.reissue_check_s:
+                await self._reissue_vanished()
+                last_group = time.monotonic()
             held.groups += batch.groups
             held.message_ids += batch.message_ids
             held.staleness += batch.staleness
@@ -284,6 +310,44 @@ class Trainer:
         stats.update(await queue_stats(self.feeder.stream, self.reader.stream))
         self._last_job_ids = [g.job_id for g in groups]
         return rollouts_of(groups, self.cfg.incorrect_reward), stats
+
+    def _release(self, held: Any) -> None:
+        """Give back a batch no step used: its jobs are outstanding again (see ``GroupReader.release``)."""
+        self.reader.release(held)
+        for g in held.groups:
+            self.feeder.unresolve(g.job_id)
+
+    def _account(self, batch: Any) -> None:
+        """Ledger and outstanding set for what ``next_batch`` resolved: kept groups, drops, duplicates."""
+        for g in batch.groups:
+            self.feeder.resolve(g.job_id)
+        for job_id, reason in batch.drops:
+            self.feeder.resolve(job_id)
+            self.ledger.drop(job_id, reason)
+        for job_id in batch.duplicates:
+            self.ledger.write("duplicate", job_id=job_id)
+
+    async def _dead_letters(self) -> int:
+        """Resolve outstanding jobs the rollout fleet dead-lettered; returns how many."""
+        n = 0
+        for job_id, reason in await self.dead.read():
+            if job_id is None or not self.feeder.resolve(job_id):
+                log.info("dead letter for no outstanding job ignored", extra={"job_id": job_id})
+                continue
+            self.reader.remember(job_id)
+            self.manager.release(1)
+            self.ledger.drop(job_id, "dead_lettered", reason)
+            log.warning("prompt job dead-lettered by rollout",
+                        extra={"job_id": job_id, "reason": reason[:300]})
+            n += 1
+        return n
+
+    async def _reissue_vanished(self) -> None:
+        from services.trainer.observability import note_reissued
+
+        vanished = await self.feeder.vanished(self.cfg.groups_stream, self.dead.stream.stream)
+        if vanished:
+            note_reissued(await self.feeder.reissue(vanished))
 
     async def _validate(self) -> dict[str, float]:
         """``val_n`` samples per validation prompt through the rollout fleet (reference metric names)."""
@@ -348,6 +412,8 @@ class Trainer:
             {"feeder": self.feeder.state_dict(), "reader": self.reader.state_dict()} if self.rank == 0 else {}
         )
         extra = self._broadcast(extra)
+        if self.rank == 0:  # before the save: the ledger's state here is what the checkpoint holds
+            self.ledger.write("checkpoint", step=step)
         save_checkpoint(
             self.tcfg.checkpoint_dir,
             step,
@@ -359,6 +425,7 @@ class Trainer:
         )
         if self.rank == 0:
             await self.reader.commit()
+            await self.dead.commit()
 
     async def run(self) -> int:
         from tqdm import tqdm
@@ -388,12 +455,14 @@ class Trainer:
         bar = tqdm(total=total, initial=step, desc="train", disable=self.rank != 0)
         if step == 0 and self.tcfg.val_before_train and self.rank == 0 and (val := await self._validate()):
             sink.write(0, val)
+        ended = True
         while step < total:
             start = time.perf_counter()
             payload = self._broadcast(await self._collect() if self.rank == 0 else None)
             if payload == "stop":  # stopped while waiting for groups: checkpoint the last finished step
                 await self._checkpoint(step)
                 log.info("SIGTERM: checkpoint written at step %d, exiting", step)
+                ended = False
                 break
             if payload == "used_up":  # drops used the data up before the planned steps: end cleanly
                 await self._checkpoint(step)
@@ -432,6 +501,7 @@ class Trainer:
                 if step % self.tcfg.test_freq == 0 or step >= total:
                     metrics.update(await self._validate())
                 sink.write(step, metrics)
+                self.ledger.trained(step, self._last_job_ids)
                 if self.cfg.groups_log:
                     with open(self.cfg.groups_log, "a") as fh:
                         fh.write(json.dumps({"step": step, "job_ids": self._last_job_ids}) + "\n")
@@ -443,11 +513,15 @@ class Trainer:
                 await self._checkpoint(step)
             if stop:
                 log.info("SIGTERM: checkpoint written at step %d, exiting", step)
+                ended = step >= total
                 break
         bar.close()
         if (pusher := getattr(self, "_pusher", None)) is not None:
             pusher.close()  # the delta encoder's threads
         if self.rank == 0:
+            if ended:
+                self.ledger.write("end", step=step, outstanding=self.manager.in_flight(0))
+            self.ledger.close()
             sink.close()
             await self.redis.aclose()
         if dist.is_initialized():

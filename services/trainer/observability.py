@@ -25,7 +25,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.common.metrics import MetricsRegistry
 
-DROP_REASONS = ("stale", "duplicate", "filtered", "malformed")
+DROP_REASONS = ("stale", "duplicate", "filtered", "malformed", "dead_lettered")
 MISMATCH_KEYS = ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3_kl", "mismatch/tis_capped_frac",
                  "mismatch/mis_masked_frac")
 QUEUE_KEYS = {
@@ -62,6 +62,15 @@ class TrainerExporter:
         )
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
+        self.reissued = r.counter(
+            "jobs_reissued_total", "Prompt jobs found in no Redis stream (lost with Redis) and pushed again")
+        self.redis_errors = r.counter(
+            "redis_connection_errors_total", "Redis commands that failed on the connection and were retried")
+        from services.common.queue import CONNECTION_ERROR_HOOKS
+
+        CONNECTION_ERROR_HOOKS.append(self.redis_errors.inc)
+        self.resumed_from = r.gauge("resumed_from_step",
+                                    "Checkpoint step this process resumed from (0: none)")
         self.queue = r.gauge("queue_messages", "Redis stream entries, by stream and kind", ("stream", "kind"))
         for stream, kind in QUEUE_KEYS.values():
             self.queue.labels(stream, kind)
@@ -124,6 +133,17 @@ def note_push_failure() -> None:
     """Count a failed weight push on this process's exporter (no-op where none runs: ranks > 0)."""
     if _CURRENT is not None:
         _CURRENT.push_failures.inc()
+
+
+def note_reissued(n: int) -> None:
+    """Count re-issued prompt jobs on this process's exporter (no-op where none runs)."""
+    if _CURRENT is not None:
+        _CURRENT.reissued.inc(n)
+
+
+def note_resumed(step: int) -> None:
+    if _CURRENT is not None:
+        _CURRENT.resumed_from.set(step)
 
 
 def retries_counter() -> Any:

@@ -298,33 +298,44 @@ class WeightPusher:
             self._acked.pop(t, None)
         for group_dtype, group in groups.items():
             ours = group_dtype == name
-            try:
+            pending = group
+            while pending:  # a fan-out cancels the rest when one target fails: push again without it
+                try:
+                    if ours:
+                        report = await push_state_dict_async(
+                            self.encoder.full(), pending, version, self.token, self.bucket_bytes, timeout_s,
+                            kind=kind, security=self.security)
+                    else:  # no lineage: such a replica never gets deltas from this shadow
+                        cast = getattr(torch, group_dtype)
+                        report = await push_state_dict_async(
+                            ((n, t.to(cast)) for n, t in named), pending, version, self.token,
+                            self.bucket_bytes, timeout_s, security=self.security)
+                    took, retry = pending, []
+                    out.add(report, pending, delta=False)
+                except WeightPushError as exc:
+                    took = [t for t in pending if exc.results.get(t) == "ok"]
+                    failed = {t: r for t, r in exc.results.items()
+                              if r != "ok" and not r.startswith(CANCELLED)}
+                    cancelled = [t for t in pending if t not in took and t not in failed]
+                    retry = cancelled if failed and cancelled else []
+                    lost = {t: r for t, r in exc.results.items() if r != "ok" and t not in retry}
+                    out.errors.update({t: f"full: {r}" for t, r in lost.items()})
+                    out.causes.update({t: exc.errors.get(t, exc) for t in lost})
+                    out.full_targets += len(took)
+                    if retry:
+                        log.info("weight push: again to the replicas a failed one cancelled",
+                                 extra={"version": version, "failed": sorted(failed), "again": retry})
                 if ours:
-                    report = await push_state_dict_async(self.encoder.full(), group, version, self.token,
-                                                         self.bucket_bytes, timeout_s, kind=kind,
-                                                         security=self.security)
-                else:  # no lineage: such a replica never gets deltas from this shadow
-                    cast = getattr(torch, group_dtype)
-                    report = await push_state_dict_async(((n, t.to(cast)) for n, t in named), group,
-                                                         version, self.token, self.bucket_bytes, timeout_s,
-                                                         security=self.security)
-                took = group
-            except WeightPushError as exc:
-                took = [t for t in group if exc.results.get(t) == "ok"]
-                out.errors.update({t: f"full: {r}" for t, r in exc.results.items() if r != "ok"})
-                out.causes.update({t: exc.errors.get(t, exc) for t, r in exc.results.items() if r != "ok"})
-                out.full_targets += len(took)
-            else:
-                out.add(report, group, delta=False)
-            if ours:
-                for t in took:
-                    self._acked[t] = (self.encoder.lineage, version)
+                    for t in took:
+                        self._acked[t] = (self.encoder.lineage, version)
+                pending = retry
 
     def close(self) -> None:
         if self.encoder is not None:
             self.encoder.close()
 
 
+CANCELLED = "cancelled (another target failed)"  # services/transport/weights/client.py's result text
 # a push refused for one of these on every failing replica is not retried: another attempt would
 # send the same token and the same tensors
 _FINAL_GRPC = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUMENT", "UNIMPLEMENTED"})

@@ -73,6 +73,9 @@ class RunConfig(StrictModel):
     groups_log: str | None = Field(None, description="JSONL of the job ids each step trained on (audit)")
     metrics_port: int | None = Field(None, ge=0, le=65535)
     group_wait_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
+    reissue_check_s: float = Field(
+        30.0, gt=0, description="when no group arrived for this long, look for admitted jobs that are in "
+        "no Redis stream (lost with a Redis restart) and push them again")
     val_dataset: str | None = Field(
         None, description="validation parquet (`retool data aime`); None = no validation"
     )

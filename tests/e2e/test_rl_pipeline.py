@@ -185,6 +185,13 @@ async def test_rl_loop_end_to_end_with_crash_and_resume(stack):
     assert sorted(final) == [1, 2, 3, 4, 5, 6]
     used = [job for step in sorted(final) for job in final[step]]
     assert len(used) == len(set(used)) == PROMPTS  # every admitted job trained on exactly once
+    # the training ledger tells the same story: three runs, a crash after step 5, nothing twice
+    from services.trainer.ledger import check_file
+
+    report = check_file(tmp / "ckpt" / "ledger.jsonl")
+    assert report.ok, report.violations
+    assert report.resumes == [0, 3, 4] and report.steps == 6 and report.ended
+    assert report.steps_redone == 1 and report.trained_groups == PROMPTS
     from services.common.queue import RedisStream, connect
 
     client = connect(stack["redis"].url)

@@ -130,6 +130,18 @@ async def test_redis_roles_get_what_their_code_needs_and_nothing_of_the_other_ro
         assert await r_prompts.backlog() == 1
         await RedisStream(rollout, f"{PROMPTS}:dead").add(b"bad", extra={"reason": "test"})
         await publish_and_ack(RedisStream(rollout, GROUPS), b"group-2", r_prompts, [m2.id])
+        # the trainer's recovery paths: the one-snapshot scan for vanished jobs, the dead letters
+        from services.trainer.feed import DeadLetters, PromptFeeder
+        from services.trainer.staleness import StalenessManager
+
+        feeder = PromptFeeder(t_prompts, [job], StalenessManager(1, 0))
+        feeder.outstanding = {0}
+        assert await feeder.vanished(GROUPS, f"{PROMPTS}:dead") == [f"{job.job_id}:0"]
+        t_dead = RedisStream(trainer, f"{PROMPTS}:dead", "trainer")
+        await t_dead.ensure_group()
+        letters = DeadLetters(t_dead, "trainer-0")
+        assert await letters.read() == [(None, "test")]  # b"bad" holds no job id
+        assert await letters.commit() == 1
 
         # least privilege: each role is refused the other's writes, other keys and admin commands
         for call in (RedisStream(rollout, PROMPTS).add(b"forged prompt"),

@@ -8,7 +8,9 @@ delivered again after a crash gets the same verdict. What is checked:
 - random drop patterns, late (stale) groups and crashes between checkpoints never deadlock,
   never train on a job twice, and resolve every job exactly once; the admission state after a
   resume is exact (no slot re-admitted, none lost);
-- a run whose data is used up by drops ends cleanly (``"used_up"``), not with a timeout.
+- a run whose data is used up by drops ends cleanly (``"used_up"``), not with a timeout;
+- the training ledger written along the way (crashes and resumes included) holds its invariant:
+  every admitted job trained once or dropped once with a reason, the rest counted in flight.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import yaml
 from services.common.queue import RedisStream, connect
 from services.common.schemas import Group, PromptJob, Trajectory
 from services.trainer.config import TrainerConfig
-from services.trainer.feed import GroupReader, PromptFeeder
+from services.trainer.feed import DeadLetters, GroupReader, PromptFeeder
+from services.trainer.ledger import LedgerWriter, check_file
 from services.trainer.loop import RunConfig, Trainer
 from services.trainer.staleness import StalenessManager
 
@@ -94,27 +97,36 @@ class ScriptedRollout:
         await self.client.aclose()
 
 
-async def _trainer(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], state: dict | None) -> Trainer:
+async def _trainer(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], state: dict | None,
+                   ledger: Path) -> Trainer:
     """A Trainer with its streams wired as ``_setup_streams`` does, restored from ``state``."""
     trainer = Trainer(RunConfig(dataset="unused.parquet", trainer=tcfg, group_wait_s=30.0,
                                 prompts_stream="prompts", groups_stream="groups"))
     trainer.redis = connect(url)
     groups = RedisStream(trainer.redis, "groups", "trainer")
     await groups.ensure_group()
+    dead = RedisStream(trainer.redis, "prompts:dead", "trainer")
+    await dead.ensure_group()
     trainer.manager = StalenessManager(tcfg.batch_prompts, tcfg.max_staleness)
-    trainer.feeder = PromptFeeder(RedisStream(trainer.redis, "prompts"), jobs, trainer.manager)
+    trainer.ledger = LedgerWriter(ledger)
+    trainer.feeder = PromptFeeder(RedisStream(trainer.redis, "prompts"), jobs, trainer.manager,
+                                  ledger=trainer.ledger)
     trainer.reader = GroupReader(groups, "trainer-0", trainer.manager)
+    trainer.dead = DeadLetters(dead, "trainer-0")
     if state is not None:
         trainer.feeder.load_state_dict(state["feeder"])
         trainer.reader.load_state_dict(state["reader"])
+    trainer.ledger.write("resume", step=state["step"] if state else 0)
     return trainer
 
 
 async def _run(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], *, save_every: int,
-               crash_after: set[int], max_steps: int) -> tuple[int, list[str], StalenessManager]:
+               crash_after: set[int], max_steps: int,
+               ledger: Path) -> tuple[int, list[str], StalenessManager]:
     """Steps until the data is used up (or ``max_steps``); a crash (no checkpoint, no commit)
-    after each step in ``crash_after``. Returns steps made, the job ids trained on, the manager."""
-    trainer = await _trainer(url, tcfg, jobs, None)
+    after each step in ``crash_after``. Returns steps made, the job ids trained on, the manager.
+    The ledger is written as ``Trainer.run`` writes it and must hold its invariant at the end."""
+    trainer = await _trainer(url, tcfg, jobs, None, ledger)
     state = {"feeder": trainer.feeder.state_dict(), "reader": trainer.reader.state_dict(),
              "step": 0, "trained": []}
     step, trained = 0, []
@@ -130,18 +142,29 @@ async def _run(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], *, save_eve
         trained += trainer._last_job_ids
         step += 1
         trainer.manager.advance(step)
+        trainer.ledger.trained(step, trainer._last_job_ids)
         if step in crash_after:  # die: the steps since the last checkpoint are lost
             crash_after.discard(step)
             await trainer.redis.aclose()
-            trainer = await _trainer(url, tcfg, jobs, state)
+            trainer.ledger.close()
+            trainer = await _trainer(url, tcfg, jobs, state, ledger)
             step, trained = state["step"], list(state["trained"])
             continue
         if step % save_every == 0:
+            trainer.ledger.write("checkpoint", step=step)
             state = {"feeder": trainer.feeder.state_dict(), "reader": trainer.reader.state_dict(),
                      "step": step, "trained": list(trained)}
             await trainer.reader.commit()
+            await trainer.dead.commit()
     manager = trainer.manager
+    trainer.ledger.write("end", step=step, outstanding=manager.in_flight(0))
+    trainer.ledger.close()
     await trainer.redis.aclose()
+    report = check_file(ledger)
+    assert report.ok, report.violations
+    assert report.steps == step and report.trained_groups == len(trained)
+    assert report.outstanding == manager.in_flight(0)
+    assert report.resumes == [0] + [s for s in report.resumes[1:]]  # the fresh start, then each crash
     return step, trained, manager
 
 
@@ -149,7 +172,8 @@ def _jobs(n: int, group_size: int) -> list[PromptJob]:
     return [PromptJob(job_id=f"p{i}", prompt_ids=[1, i + 2], n=group_size) for i in range(n)]
 
 
-async def test_the_tiny_cpu_config_no_longer_stalls_when_dynamic_sampling_drops_groups(redis_server):
+async def test_the_tiny_cpu_config_no_longer_stalls_when_dynamic_sampling_drops_groups(redis_server,
+                                                                                         tmp_path):
     """Issue 15: tiny-cpu.yaml stalled at step 8 ("got 0 of 4 groups") once dropped groups had
     used up the admission budget. Same sizes here, one group in three all-equal."""
     raw = yaml.safe_load(TINY_CPU.read_text())["trainer"]
@@ -164,14 +188,16 @@ async def test_the_tiny_cpu_config_no_longer_stalls_when_dynamic_sampling_drops_
 
     async with ScriptedRollout(redis_server.url, informative, random.Random(0)):
         steps, trained, manager = await _run(redis_server.url, tcfg, jobs, save_every=10,
-                                             crash_after=set(), max_steps=10_000)
+                                             crash_after=set(), max_steps=10_000,
+                                             ledger=tmp_path / "ledger.jsonl")
+    assert check_file(tmp_path / "ledger.jsonl").dropped == {"filtered": 40}
     assert steps == 80 // tcfg.batch_prompts == 20  # 80 informative groups, 4 a step
     assert len(set(trained)) == len(trained) == 80
     assert manager.in_flight(held=0) == 0 and manager.admitted == manager.trained
 
 
 @pytest.mark.parametrize("seed", range(6))
-async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis_server, seed):
+async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis_server, seed, tmp_path):
     rng = random.Random(seed)
     batch_prompts = rng.randint(1, 4)
     tcfg = TrainerConfig(batch_prompts=batch_prompts, group_size=2, mini_batch_size=2,
@@ -181,9 +207,14 @@ async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis
     p_drop = rng.choice([0.2, 0.5, 0.8])
     verdict = {f"{j.job_id}:{i}": rng.random() >= p_drop for i, j in enumerate(jobs)}
     crashes = {rng.randint(1, 6) for _ in range(2)}
+    n_crashes = len(crashes)
     async with ScriptedRollout(redis_server.url, verdict.__getitem__, rng, p_late=0.2):
         steps, trained, manager = await _run(redis_server.url, tcfg, jobs, save_every=2,
-                                             crash_after=crashes, max_steps=10_000)
+                                             crash_after=crashes, max_steps=10_000,
+                                             ledger=tmp_path / "ledger.jsonl")
+    report = check_file(tmp_path / "ledger.jsonl")
+    assert len(report.resumes) == 1 + n_crashes - len(crashes)  # crashes past the run's end never happened
+    assert report.trained_groups + sum(report.dropped.values()) + report.outstanding == report.admitted
     assert len(trained) == len(set(trained)) == steps * batch_prompts  # nothing trained twice
     assert set(trained) <= {k for k, ok in verdict.items() if ok}
     # the run ended because the data was used up: every admitted job resolved; the only slots
@@ -192,11 +223,11 @@ async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis
     assert steps <= sum(verdict.values()) // batch_prompts
 
 
-async def test_a_run_whose_data_drops_use_up_ends_cleanly(redis_server):
+async def test_a_run_whose_data_drops_use_up_ends_cleanly(redis_server, tmp_path):
     tcfg = TrainerConfig(batch_prompts=4, group_size=2, mini_batch_size=8, max_staleness=1,
                          max_prompt_len=8, max_response_len=8, micro_batch_max_tokens=32)
     async with ScriptedRollout(redis_server.url, lambda job_id: False, random.Random(0)):
-        trainer = await _trainer(redis_server.url, tcfg, _jobs(10, 2), None)
+        trainer = await _trainer(redis_server.url, tcfg, _jobs(10, 2), None, tmp_path / "ledger.jsonl")
         assert await asyncio.wait_for(trainer._collect(), timeout=20) == "used_up"
         assert trainer.feeder.exhausted and trainer.manager.admitted == 0
         await trainer.redis.aclose()

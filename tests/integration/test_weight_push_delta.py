@@ -242,3 +242,24 @@ async def test_an_unreachable_replica_is_skipped_within_the_wait_and_gets_a_full
     finally:
         pusher.close()
         await live.stop()
+
+
+async def test_a_replica_that_dies_mid_run_does_not_cancel_the_full_push_to_the_others(tmp_path_factory):
+    """Found by the chaos test: a full push fans out to every replica in one stream, and one failing
+    target cancelled the rest, on every attempt; the step then failed although a replica was up."""
+    model = tiny_model_dir(tmp_path_factory, seed=0)
+    a, b = await Replica(model).start(), await Replica(model).start()
+    weights = {n: p.detach().float() for n, p in a.weights().items() if n != "lm_head.weight"}
+    pusher = WeightPusher([a.target, b.target], TOKEN, bucket_bytes=1 << 20, backoff_s=0.2, attempts=3,
+                          wait_s=5.0, delta="off")
+    try:
+        m = await pusher.push(weights, 1)
+        assert m["weights/push_full_targets"] == 2 and a.engine.version == b.engine.version == 1
+        await b.stop()  # it answered before: known to the pusher, now refusing connections
+        bumped = {n: t + 0.01 if n.endswith("up_proj.weight") else t for n, t in weights.items()}
+        m = await pusher.push(bumped, 2)
+        assert m["weights/push_unreachable"] == 1
+        _assert_serves(a, bumped, 2)
+    finally:
+        pusher.close()
+        await a.stop()

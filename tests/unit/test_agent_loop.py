@@ -14,7 +14,7 @@ import pytest
 from services.common.process import free_port
 from services.common.schemas import RolloutSampling, Trajectory
 from services.rollout.agent.loop import AgentLoop
-from services.rollout.agent.sandbox import SandboxClient, ToolResult
+from services.rollout.agent.sandbox import SandboxClient, SandboxUnavailable, ToolResult
 from services.rollout.config import AgentConfig
 from tests.helpers.agent_fixtures import ScriptedEngine, extra_token_id, make_tokenizer
 
@@ -157,16 +157,16 @@ async def test_long_tool_output_is_truncated_in_the_middle() -> None:
     assert len(inner) <= 300 and inner.startswith("BEGIN") and inner.endswith("END")
 
 
-async def test_unreachable_sandbox_becomes_error_text() -> None:
-    # a real client against a loopback port nobody listens on: connection refused, retried
+async def test_unreachable_sandbox_fails_the_rollout_loudly() -> None:
+    # a real client against a loopback port nobody listens on: connection refused, retried, then
+    # the rollout fails: an outage never becomes a "no tools" trajectory (ToRL #27)
     client = SandboxClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0.01)
     try:
         loop, _, _ = _loop(["<code>print(1)</code>", "ok"], tools=client)
-        traj = await loop.run_one(loop.build_prompt(MESSAGES))
+        with pytest.raises(SandboxUnavailable, match="after 2 attempts"):
+            await loop.run_one(loop.build_prompt(MESSAGES))
     finally:
         await client.aclose()
-    assert traj.tool_errors == 1 and "Sandbox error: unavailable after 2 attempts" in traj.response_text
-    assert traj.finish_reason == "eos"
 
 
 async def test_stream_events_and_group() -> None:

@@ -55,3 +55,42 @@ def test_keep_last_k_and_incomplete_saves_ignored(tmp_path):
     save_checkpoint(tmp_path, 6, actor, opt, keep_last=2)
     assert not (tmp_path / ".tmp-step_00000004").exists()
     assert [c.step for c in list_checkpoints(tmp_path)] == [3, 6]
+
+
+def test_a_resave_cut_between_its_renames_keeps_the_previous_copy(tmp_path):
+    actor, opt = _fresh()
+    save_checkpoint(tmp_path, 4, actor, opt, keep_last=1)
+    # the crash: step_4 already moved aside, the new copy never renamed into place
+    (tmp_path / "step_00000004").rename(tmp_path / ".tmp-step_00000004.replaced")
+    (tmp_path / ".tmp-step_00000004" / "state").mkdir(parents=True)
+    latest = latest_checkpoint(tmp_path)
+    assert latest is not None and latest.step == 4 and latest.path.name == ".tmp-step_00000004.replaced"
+    assert load_checkpoint(latest.path, *_fresh()).step == 4
+    save_checkpoint(tmp_path, 5, actor, opt, keep_last=1)
+    assert [c.path.name for c in list_checkpoints(tmp_path)] == ["step_00000005"]
+
+
+def test_the_fault_hold_leaves_a_half_written_checkpoint_that_is_never_resumed(tmp_path, monkeypatch):
+    """The chaos test kills the trainer inside this hold: what it leaves must be ignored."""
+    import threading
+    import time
+
+    from services.trainer.checkpoint import FAULT_HOLD_FILE
+
+    actor, opt = _fresh()
+    save_checkpoint(tmp_path / "ck", 2, actor, opt)
+    hold = tmp_path / "hold"
+    hold.touch()
+    monkeypatch.setenv(FAULT_HOLD_FILE, str(hold))
+    saver = threading.Thread(target=save_checkpoint, args=(tmp_path / "ck", 4, actor, opt))
+    saver.start()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ck" / ".tmp-step_00000004" / "rng" / "rank_0.pt").exists():
+        assert time.monotonic() < deadline, "the save never reached its hold"
+        time.sleep(0.05)
+    # held: the state is written, meta.json is not, and the half-written save is not a checkpoint
+    assert not (tmp_path / "ck" / ".tmp-step_00000004" / "meta.json").exists()
+    assert latest_checkpoint(tmp_path / "ck").step == 2
+    hold.unlink()
+    saver.join(60)
+    assert not saver.is_alive() and latest_checkpoint(tmp_path / "ck").step == 4

@@ -40,7 +40,7 @@ import httpx
 from services.chat.format import build_prompt, tool_result_text
 from services.chat.toolcall import ToolCall, parse_code_call, parse_hermes_call
 from services.common.schemas import RolloutSampling, Trajectory
-from services.rollout.agent.sandbox import ToolResult
+from services.rollout.agent.sandbox import SandboxUnavailable, ToolResult
 from services.rollout.config import AgentConfig
 from services.rollout.engine.base import Engine, SamplingParams
 
@@ -256,6 +256,8 @@ class AgentLoop:
         if st.session_id is None:
             try:
                 st.session_id = await tools.open_session()
+            except SandboxUnavailable:
+                raise  # an outage fails the group (see sandbox.py), it is not the model's doing
             except Exception as exc:  # noqa: BLE001 - the model sees why, the next call tries again
                 return ToolResult(f"Sandbox error: {exc}", True)
         return await tools.run(code, session_id=st.session_id)

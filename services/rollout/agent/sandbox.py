@@ -1,11 +1,14 @@
 """Run tool code on the SandboxFusion-compatible sandbox and turn the result into interpreter text.
 
 Invariants:
-- ``SandboxClient.run`` never raises for a sandbox problem (connection refused, 5xx, time-out, odd
-  JSON); after the shared retry policy (``services/common/retry.py``: connection errors, 429 and
-  5xx only, jittered pauses, at most ``retries + 1`` attempts within ``request_timeout_s`` for the
-  whole call) it returns a ``ToolResult`` with ``error=True`` and a text that says what went wrong
-  (also when a session the call runs in has ended, and why);
+- a sandbox that cannot be reached is an outage, never a tool result: after the shared retry
+  policy (``services/common/retry.py``: connection errors, 429 and 5xx only, jittered pauses, at
+  most ``retries + 1`` attempts within ``request_timeout_s`` for the whole call) ``run`` and
+  ``open_session`` raise ``SandboxUnavailable``, which fails the whole group (the rollout worker
+  leaves its job pending for another try, and dead-letters it after ``max_deliveries``): a
+  restarting sandbox must not turn trajectories into "no tools" ones silently (ToRL #27);
+- what the sandbox *answered* (a run's failure, a 4xx, odd JSON, a session that ended, and why)
+  is a ``ToolResult`` with ``error=True`` and a text saying what went wrong: the model sees it;
 - every retry is counted in ``retries_counter`` (``target="sandbox"``, by reason);
 - output longer than the limit is cut in the middle.
 """
@@ -55,7 +58,11 @@ def format_run_result(body: dict[str, Any], run_timeout_s: float) -> ToolResult:
 
 
 class SessionUnavailable(RuntimeError):
-    """No sandbox session could be opened (the sandbox is full or unreachable)."""
+    """No sandbox session could be opened (the sandbox refused one)."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox could not be reached within the retry budget: the rollout must fail, loudly."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -133,7 +140,7 @@ class SandboxClient:
         try:
             r = await retry_call(attempt, self.policy, target="sandbox", counter=self.retries_counter)
         except (httpx.HTTPError, RetryableStatus) as exc:
-            raise SessionUnavailable(f"could not open a sandbox session ({_describe(exc)})") from exc
+            raise SandboxUnavailable(f"could not open a sandbox session ({_describe(exc)})") from exc
         if r.status_code != 200:
             raise SessionUnavailable(
                 f"could not open a sandbox session (HTTP {r.status_code}: {r.text[:200]})")
@@ -167,8 +174,9 @@ class SandboxClient:
         try:
             r = await retry_call(attempt, self.policy, target="sandbox", counter=self.retries_counter)
         except (httpx.HTTPError, RetryableStatus) as exc:
-            text = f"Sandbox error: unavailable after {attempts} attempts ({_describe(exc)})"
-            return ToolResult(text, True, time.perf_counter() - start)
+            raise SandboxUnavailable(
+                f"sandbox unavailable after {attempts} attempts in {time.perf_counter() - start:.1f} s "
+                f"({_describe(exc)})") from exc
         if r.status_code in (404, 410) and session_id is not None:  # the session ended: say why
             return ToolResult(f"Sandbox error: {_detail(r)}", True, time.perf_counter() - start)
         if r.status_code != 200:
