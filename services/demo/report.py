@@ -17,7 +17,8 @@ def _curve(ax: Any, steps: list[int], grpo: list[dict[str, Any]], evals: dict[st
            key: str, label: str, color: str, marker: str) -> None:
     ys = [r.get(key) for r in grpo]
     pts = [(s, y) for s, y in zip(steps, ys, strict=True) if y is not None]
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], f"-{marker}", ms=3, c=color, label=f"{label} (training)")
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], f"-{marker}", ms=3, c=color,
+            label=f"{label} (training)")
     last = max(steps, default=1)
     for when, m in MARKS:
         value = evals.get(when, {}).get(key)
@@ -46,7 +47,7 @@ def plot(metrics: Path, out: Path) -> Path:
                  else "retool demo: learning to use the code tool")
     if recovery:
         ax = axes[1][0]
-        _curve(ax, steps, grpo, evals, "recovery_rate", "recovery rate P(correct | 1st call raised)", "C2", "o")
+        _curve(ax, steps, grpo, evals, "recovery_rate", "recovery rate P(ok | 1st call raised)", "C2", "o")
         _curve(ax, steps, grpo, evals, "first_call_success_rate", "first-call success rate", "C3", "s")
         ax.set_ylim(-0.02, 1.02)
         ax.set_title("recovering from an interpreter error")
