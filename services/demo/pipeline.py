@@ -79,6 +79,8 @@ class DemoConfig(StrictModel):
     task: TaskConfig = Field(default_factory=TaskConfig)
     recovery: RecoveryTaskConfig = Field(default_factory=RecoveryTaskConfig)
     model_size: str = "demo"
+    sft_model: str | None = Field(None, description="start RL from this SFT'd model directory (e.g. an "
+                                  "earlier run's model/sft) instead of building and fine-tuning one")
     sft: SFTPhase = Field(default_factory=SFTPhase)
     grpo: GRPOPhase = Field(default_factory=GRPOPhase)
     max_tokens: int = Field(48, ge=8, description="response budget (generated + interpreter tokens)")
@@ -353,7 +355,13 @@ class Demo:
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics.unlink(missing_ok=True)
         self.prepare_data()
-        model = self.build_and_sft()
+        if self.cfg.sft_model is not None:
+            model = Path(self.cfg.sft_model)
+            if not (model / "config.json").exists():
+                raise ValueError(f"sft_model: {model} holds no model (no config.json)")
+            _stage(f"model: {model} (given, no SFT)")
+        else:
+            model = self.build_and_sft()
         with contextlib.ExitStack() as stack:
             self.start_services(stack, model)
             before = self.evaluate("before")

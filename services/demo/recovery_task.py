@@ -16,7 +16,7 @@ Invariants:
   the answer and never equal to it, so only ``error_fix`` and ``right_first`` can be right;
 - each interpreter text in a trace is exactly what the rollout agent shows for the sandbox's
   answer to that code (``interpreter_text``: a Python 3.11 ``NameError`` traceback of ``main.py``,
-  checked against the real interpreter in the tests), in the chat-message layout of ``task.py``.
+  checked against the real sandbox in the tests), in the chat-message layout of ``task.py``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ BEHAVIOURS: tuple[Behaviour, ...] = ("error_guess", "error_fix", "right_first", 
 class Rates(StrictModel):
     """Fraction of SFT traces per behaviour; they sum to 1."""
 
-    error_guess: float = Field(0.3, ge=0, le=1)
-    error_fix: float = Field(0.2, ge=0, le=1)
-    right_first: float = Field(0.2, ge=0, le=1)
+    error_guess: float = Field(0.35, ge=0, le=1)
+    error_fix: float = Field(0.25, ge=0, le=1)
+    right_first: float = Field(0.1, ge=0, le=1)
     direct: float = Field(0.3, ge=0, le=1)
 
     @model_validator(mode="after")
@@ -125,10 +125,11 @@ def fixed_code(p: Problem) -> str:
 
 
 def name_error(p: Problem) -> str:
-    """The sandbox's stderr for ``bare_code(p)`` (Python 3.11, the code run as ``main.py``)."""
+    """The sandbox's stderr for ``bare_code(p)`` (Python 3.11, the code run as ``main.py``; the
+    sandbox's caret line sits one column right of plain ``python main.py``'s)."""
     line = bare_code(p)
     return (f'Traceback (most recent call last):\n  File "main.py", line 1, in <module>\n    {line}\n'
-            f"{' ' * (4 + len('print('))}{'^' * len(p.fn)}\nNameError: name '{p.fn}' is not defined\n")
+            f"{' ' * (5 + len('print('))}{'^' * len(p.fn)}\nNameError: name '{p.fn}' is not defined\n")
 
 
 def interpreter_text(p: Problem, fixed: bool) -> str:
