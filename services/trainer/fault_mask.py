@@ -4,6 +4,9 @@
 trajectory the trainer trains on:
 - ``second_turn``: loss mask 0 on every token after the first interpreter block, so nothing the
   model writes after reading a tool result is trained (masks that lose later turns);
+- ``misaligned``: after the first interpreter block the mask is shifted back by that block's
+  length, so the tool's tokens are trained and as many of the model's later tokens are not (a
+  mask built for a different tokenization of the tool output);
 - ``drop_separator``: the first token of every interpreter block is removed, so the trained token
   sequence is not the one that was sampled (verl #6501: the turn separator dropped at each tool
   boundary).
@@ -17,7 +20,7 @@ import os
 from collections.abc import Sequence
 
 FAULT_MULTITURN_MASK = "RETOOL_FAULT_MULTITURN_MASK"
-MODES = ("second_turn", "drop_separator")
+MODES = ("second_turn", "misaligned", "drop_separator")
 
 
 def mode() -> str | None:
@@ -37,5 +40,8 @@ def break_layout(ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[flo
     if fault == "second_turn":
         after = next((i for i in range(first_tool, len(mask)) if mask[i] == 1), len(mask))
         return ids, mask[:after] + [0] * (len(mask) - after), lps
+    if fault == "misaligned":
+        block = next((i for i in range(first_tool, len(mask)) if mask[i] == 1), len(mask)) - first_tool
+        return ids, mask[:first_tool] + mask[first_tool + block:] + [0] * block, lps
     keep = [i for i in range(len(ids)) if not (mask[i] == 0 and (i == 0 or mask[i - 1] == 1))]
     return [ids[i] for i in keep], [mask[i] for i in keep], None if lps is None else [lps[i] for i in keep]

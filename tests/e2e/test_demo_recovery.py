@@ -5,12 +5,14 @@ per response.
 Asserts that RL taught the model to recover from an interpreter error: held-out accuracy and
 recovery rate (P(correct | the first code call raised)) rise by the margins below, and the trainer
 trained on responses with two or more code calls. Then it guards the multi-turn path: RL again
-from the same SFT model with the test-only switch that masks out every token after the first
-interpreter block (``RETOOL_FAULT_MULTITURN_MASK=second_turn``, services/trainer/fault_mask.py);
-the recovery rate must then stay below the margin, i.e. the first part of this test would fail.
+from the same SFT model and seeds with the test-only switch that misaligns the loss mask after
+the first interpreter block (``RETOOL_FAULT_MULTITURN_MASK=misaligned``,
+services/trainer/fault_mask.py); the recovery rate must then stay below the margin, i.e. the
+first part of this test would fail.
 
-Margins from measured runs (docs/demo-recovery.md): correct layout, recovery rate +0.XX and
-accuracy +0.XX; broken layout, recovery rate +0.XX. Budget: under 10 minutes on 2 loaded cores.
+Margins from measured runs (docs/demo-recovery.md, 2 loaded cores): correct layout, accuracy
+0.27 -> 0.71 and recovery rate 0.33 -> 0.73; misaligned, 0.27 -> 0.31 and 0.33 -> 0.33. The
+margins (+0.15, +0.20) sit about halfway. Measured: about 7 + 3.5 minutes on 2 loaded cores.
 """
 
 from __future__ import annotations
@@ -74,11 +76,10 @@ def test_quick_recovery_demo_learns_to_fix_its_code(tmp_path: Path) -> None:
     assert sum(r["multi_call_responses"] for r in grpo) == report["trained_multi_call_responses"]
     assert (tmp_path / "ok" / "progress.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # the same SFT model and seeds, the second turn's tokens masked out of training
+    # the same SFT model and seeds, the mask after the first interpreter block misaligned
     sft = tmp_path / "ok" / "model" / "sft"
-    broken = _demo(tmp_path / "broken", "--set", f"sft_model={sft}", env={FAULT_MULTITURN_MASK: "second_turn"})
+    broken = _demo(tmp_path / "broken", "--set", f"sft_model={sft}", env={FAULT_MULTITURN_MASK: "misaligned"})
     assert "weights committed" in (tmp_path / "broken" / "logs" / "rollout.log").read_text()
     b_before, b_after = broken["before"], broken["after"]
-    assert b_before["recovery_rate"] is not None
-    gain = (b_after["recovery_rate"] or 0.0) - b_before["recovery_rate"]
-    assert gain < RECOVERY_GAIN, broken
+    assert b_before["recovery_rate"] is not None and b_after["recovery_rate"] is not None, broken
+    assert b_after["recovery_rate"] < b_before["recovery_rate"] + RECOVERY_GAIN, broken

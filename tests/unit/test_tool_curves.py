@@ -65,6 +65,11 @@ def test_second_turn_fault_masks_everything_after_the_first_tool_result() -> Non
     assert fault_mask.break_layout([1, 2], [1, 1], None, "second_turn") == ([1, 2], [1, 1], None)
 
 
+def test_misaligned_fault_trains_the_tool_tokens_instead_of_the_models() -> None:
+    ids, mask, lps = fault_mask.break_layout(IDS, MASK, LPS, "misaligned")
+    assert (ids, lps) == (IDS, LPS) and mask == [1, 1, 1, 1, 1, 0, 0, 1, 0, 0]
+
+
 def test_drop_separator_fault_removes_each_interpreter_blocks_first_token() -> None:
     ids, mask, lps = fault_mask.break_layout(IDS, MASK, LPS, "drop_separator")
     assert ids == [1, 2, 3, 91, 4, 5, 93, 6]
