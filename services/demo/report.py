@@ -58,7 +58,7 @@ def plot(metrics: Path, out: Path) -> Path:
         twin = ax.twinx()
         _curve(twin, steps, grpo, evals, "code_calls_mean", "code calls per response", "C6", "d")
         twin.set_ylabel("code calls per response")
-        twin.legend(fontsize=7, loc="upper right")
+        twin.legend(fontsize=7, loc="center right")
         ax.set_title("sizes")
     for row in axes:
         row[0].set_xlabel("GRPO step")

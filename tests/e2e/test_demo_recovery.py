@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 ACCURACY_GAIN = 0.15
 RECOVERY_GAIN = 0.20
-MIN_MULTI_CALL_TRAINED = 40
+MIN_MULTI_CALL_TRAINED = 150
 CURVES = {"accuracy", "tool_use_rate", "mean_turns", "recovery_rate", "first_call_success_rate",
           "code_calls_mean", "first_code_token_mean", "response_length_mean", "first_call_errors",
           "multi_call_responses"}

@@ -68,3 +68,12 @@ def test_rl_rows_carry_the_answer() -> None:
     row = rl_rows([Problem(fn="gcd", args=(84, 36))], "x")[0]
     assert row["reward_model"]["ground_truth"] == "12"
     assert row["prompt"] == [{"role": "user", "content": "What is gcd(84, 36)?"}]
+
+
+def test_an_unknown_demo_task_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--task", "division", "--out", "/nonexistent/never-written"])
+    assert exc.value.code == 2
+    assert "--task: 'division' is not one of multiply, recovery" in capsys.readouterr().err
