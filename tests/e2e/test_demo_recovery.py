@@ -12,7 +12,8 @@ first part of this test would fail.
 
 Margins from measured runs (docs/demo-recovery.md, 2 loaded cores): correct layout, accuracy
 0.27 -> 0.71 and recovery rate 0.33 -> 0.73; misaligned, 0.27 -> 0.31 and 0.33 -> 0.33. The
-margins (+0.15, +0.20) sit about halfway. Measured: about 7 + 3.5 minutes on 2 loaded cores.
+margins (+0.15, +0.20) sit about halfway. Measured: 7 + 3.5 minutes at load average 5, over
+9 minutes for the first run alone at load average 6-9 (hence 900 s a run).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pytest
 from services.demo.pipeline import RECOVERY_QUICK
 from services.trainer.fault_mask import FAULT_MULTITURN_MASK
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1900)]
 
 ACCURACY_GAIN = 0.15
 RECOVERY_GAIN = 0.20
@@ -46,11 +47,11 @@ def _demo(out: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
     try:
-        stdout, stderr = proc.communicate(timeout=540)
+        stdout, stderr = proc.communicate(timeout=900)
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # the demo stops its services on SIGTERM
         stdout, stderr = proc.communicate(timeout=60)
-        pytest.fail(f"demo --task recovery --quick exceeded 540 s:\n{stderr[-4000:]}")
+        pytest.fail(f"demo --task recovery --quick exceeded 900 s:\n{stderr[-4000:]}")
     assert proc.returncode == 0, stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert json.loads(stdout)["after"] == report["after"]  # the console summary is the report
