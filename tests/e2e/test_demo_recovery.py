@@ -12,8 +12,8 @@ first part of this test would fail.
 
 Margins from measured runs (docs/demo-recovery.md, 2 loaded cores): correct layout, accuracy
 0.27 -> 0.71 and recovery rate 0.33 -> 0.73; misaligned, 0.27 -> 0.31 and 0.33 -> 0.33. The
-margins (+0.15, +0.20) sit about halfway. Measured: 7 + 3.5 minutes at load average 5, over
-9 minutes for the first run alone at load average 6-9 (hence 900 s a run).
+margins (+0.15, +0.20) sit about halfway. Measured: 7 + 3.5 minutes at load average 5; the whole
+test 977 s at load average 8-10 (its first run 705 s, with the same figures as at load 5).
 """
 
 from __future__ import annotations
