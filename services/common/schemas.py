@@ -96,6 +96,10 @@ class Trajectory(WireModel):
     turns: int = Field(0, ge=0, description="model generation segments")
     tool_calls: int = Field(0, ge=0, description="tool calls attempted (malformed ones included)")
     tool_errors: int = Field(0, ge=0, description="tool calls that ended in an error text")
+    tool_call_errors: list[bool] = Field(
+        default_factory=list, description="per tool call, in order: whether it ended in an error text")
+    first_code_token: int | None = Field(
+        None, ge=0, description="response tokens before the first tool call's opening tag (<code>)")
     finish_reason: TrajectoryFinish
     truncated: bool = False
     reward: float | None = None

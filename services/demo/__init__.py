@@ -8,24 +8,38 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
 
 def run(
-    out: Path = typer.Option(Path("runs/demo"), "--out", help="output directory (report.json, plot, logs)"),
+    out: Path | None = typer.Option(None, "--out", help="output directory (report.json, plot, logs); "
+                                    "default runs/demo, runs/demo-recovery for --task recovery"),
+    task: str = typer.Option("multiply", "--task", help="multiply: learn to use the code tool; recovery: "
+                             "learn to read an interpreter error and fix the code (multi-turn)"),
     quick: bool = typer.Option(False, "--quick", help="shortened demo (the CI end-to-end test's settings)"),
     seed: int = typer.Option(0, help="seed of data, model, SFT, sampling and training"),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON DemoConfig file"),
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set grpo.steps=20"),
 ) -> None:
-    from services.common.config import load_config
-    from services.demo.pipeline import QUICK, Demo, DemoConfig
+    from services.common.config import ConfigError, load_config
+    from services.demo.pipeline import QUICK, RECOVERY, RECOVERY_QUICK, Demo, DemoConfig
     from services.stack.local import run_interruptible
 
-    values = {**(QUICK if quick else {}), "out_dir": str(out), "seed": seed}
+    if task not in ("multiply", "recovery"):
+        raise ConfigError(f"--task: {task!r} is not one of multiply, recovery")
+    values: dict[str, Any] = {"seed": seed}
+    if task == "recovery":
+        values.update({**RECOVERY, **(RECOVERY_QUICK if quick else {})})
+    elif quick:
+        values.update(QUICK)
+    if out is not None:
+        values["out_dir"] = str(out)
+    out = Path(values.get("out_dir", "runs/demo"))
     cfg = load_config(DemoConfig, file=config, env_prefix="RETOOL_DEMO", values=values, overrides=set_)
     report = run_interruptible(Demo(cfg).run)
-    summary = {k: report[k] for k in ("before", "after", "steps", "wall_seconds")}
+    keys = ("before", "after", "steps", "wall_seconds", "trained_multi_call_responses")
+    summary = {k: report[k] for k in keys if k in report}
     print(json.dumps(summary, indent=2))
     print(f"artifacts in {out}: report.json, metrics.jsonl, progress.png, logs/", file=sys.stderr)

@@ -35,9 +35,14 @@ import yaml
 from pydantic import Field
 
 from services.common.config import StrictModel
+from services.demo import recovery_task
+from services.demo.recovery_task import RecoveryTaskConfig
 from services.demo.task import TaskConfig, make_splits, rl_rows, write_parquet, write_sft
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
+# the recovery demo's per-step curves (services/common/tool_curves.py), from the trainer's metrics
+CURVES = ("recovery_rate", "first_call_success_rate", "code_calls_mean", "first_code_token_mean",
+          "response_length_mean", "first_call_errors", "multi_call_responses")
 
 
 class SFTPhase(StrictModel):
@@ -68,8 +73,14 @@ class GRPOPhase(StrictModel):
 class DemoConfig(StrictModel):
     out_dir: str = "runs/demo"
     seed: int = 0
+    task_kind: Literal["multiply", "recovery"] = Field(
+        "multiply", description="multiply: learn to use the tool (``task``); recovery: learn to fix "
+        "a failed call (``recovery``, services/demo/recovery_task.py)")
     task: TaskConfig = Field(default_factory=TaskConfig)
+    recovery: RecoveryTaskConfig = Field(default_factory=RecoveryTaskConfig)
     model_size: str = "demo"
+    sft_model: str | None = Field(None, description="start RL from this SFT'd model directory (e.g. an "
+                                  "earlier run's model/sft) instead of building and fine-tuning one")
     sft: SFTPhase = Field(default_factory=SFTPhase)
     grpo: GRPOPhase = Field(default_factory=GRPOPhase)
     max_tokens: int = Field(48, ge=8, description="response budget (generated + interpreter tokens)")
@@ -85,6 +96,19 @@ class DemoConfig(StrictModel):
 
 QUICK: dict[str, Any] = {  # the CI end-to-end test's shortened demo
     "task": {"eval_prompts": 100, "rl_prompts": 600},
+    "sft": {"steps": 600},
+    "grpo": {"steps": 12},
+}
+
+# ``--task recovery``: up to 3 calls per response, room for an error traceback and a second call
+RECOVERY: dict[str, Any] = {
+    "out_dir": "runs/demo-recovery",
+    "task_kind": "recovery",
+    "max_turns": 3,
+    "max_tokens": 160,
+}
+RECOVERY_QUICK: dict[str, Any] = {
+    "recovery": {"eval_prompts": 150, "rl_prompts": 600},
     "sft": {"steps": 600},
     "grpo": {"steps": 12},
 }
@@ -109,7 +133,17 @@ class Demo:
             fh.write(json.dumps(rec) + "\n")
 
     # ---- phases --------------------------------------------------------------------------------
+    @property
+    def recovery(self) -> bool:
+        return self.cfg.task_kind == "recovery"
+
+    @property
+    def rl_prompts(self) -> int:
+        return self.cfg.recovery.rl_prompts if self.recovery else self.cfg.task.rl_prompts
+
     def prepare_data(self) -> None:
+        if self.recovery:
+            return self.prepare_recovery_data()
         _stage("data: multiplication problems (train / held-out), SFT traces")
         task = self.cfg.task.model_copy(update={"seed": self.cfg.seed})
         train, held = make_splits(task)
@@ -120,12 +154,27 @@ class Demo:
         print(f"{task.sft_samples} SFT traces ({task.code_fraction:.0%} with code), "
               f"{task.rl_prompts} RL prompts, {len(held)} held-out prompts", file=sys.stderr)
 
+    def prepare_recovery_data(self) -> None:
+        _stage("data: comb/gcd/isqrt problems without their import (train / held-out), SFT traces")
+        task = self.cfg.recovery.model_copy(update={"seed": self.cfg.seed})
+        train, held = recovery_task.make_splits(task)
+        data = self.out / "data"
+        recovery_task.write_sft(data / "sft.jsonl", train[: task.sft_samples], task)
+        self.rl_parquet = write_parquet(data / "rl.parquet",
+                                        recovery_task.rl_rows(train[task.sft_samples:], "train"))
+        self.heldout_parquet = write_parquet(data / "heldout.parquet", recovery_task.rl_rows(held, "heldout"))
+        rates = ", ".join(f"{b} {getattr(task.rates, b):.0%}" for b in recovery_task.BEHAVIOURS)
+        print(f"{task.sft_samples} SFT traces ({rates}), {task.rl_prompts} RL prompts, "
+              f"{len(held)} held-out prompts", file=sys.stderr)
+
     def build_and_sft(self) -> Path:
         from services.rollout.model_init import init_model_dir
         from services.trainer.sft.run import SFTConfig, run_sft
 
         _stage(f"model: {self.cfg.model_size} preset, digit-level tokenizer; SFT")
-        init = init_model_dir(self.out / "model" / "init", self.cfg.model_size, seed=self.cfg.seed)  # type: ignore[arg-type]
+        corpus = recovery_task.tokenizer_corpus() if self.recovery else ()
+        init = init_model_dir(self.out / "model" / "init", self.cfg.model_size, seed=self.cfg.seed,  # type: ignore[arg-type]
+                              extra_corpus=corpus)
         sft_dir = self.out / "sft"
         cfg = SFTConfig.model_validate({
             "model_path": str(init),
@@ -182,9 +231,10 @@ class Demo:
         self.rollout_url = rollout.url
         self.grpc_target = f"127.0.0.1:{grpc_port}"
 
-    def evaluate(self, when: str) -> dict[str, float]:
+    def evaluate(self, when: str) -> dict[str, float | None]:
         """One response per held-out prompt, same sampling seeds every time (``load_prompt_jobs``)."""
         from services.common.schemas import RolloutSampling
+        from services.common.tool_curves import tool_curves
         from services.data.prompt_jobs import load_prompt_jobs
         from services.eval.metrics import summarize
         from services.eval.run import collect_groups
@@ -193,8 +243,12 @@ class Demo:
                                    seed=self.cfg.seed + 17)
         jobs = load_prompt_jobs(self.heldout_parquet, 1, sampling, self.cfg.max_turns)
         _stage(f"eval ({when} RL): {len(jobs)} held-out prompts")
-        s = summarize(asyncio.run(collect_groups([self.rollout_url], jobs, 32, desc=f"eval {when}")))
-        out = {"accuracy": s.accuracy, "tool_use_rate": s.tool_use_rate, "mean_turns": s.num_turns.mean}
+        groups = asyncio.run(collect_groups([self.rollout_url], jobs, 32, desc=f"eval {when}"))
+        s = summarize(groups)
+        out: dict[str, float | None] = {"accuracy": s.accuracy, "tool_use_rate": s.tool_use_rate,
+                                        "mean_turns": s.num_turns.mean}
+        if self.recovery:
+            out.update(tool_curves([t for g in groups for t in g.trajectories]))
         self._record({"phase": "eval", "when": when, **out, "n": s.responses})
         print(json.dumps({when: out}), file=sys.stderr)
         return out
@@ -235,7 +289,7 @@ class Demo:
                 # enough passes over the RL prompts for every step, dropped groups included (the
                 # trainer never runs past its data; with dynamic sampling late steps drop most groups)
                 "total_epochs": -(-g.steps * g.batch_prompts * (8 if g.dynamic_sampling else 1)
-                                  // self.cfg.task.rl_prompts),
+                                  // self.rl_prompts),
                 "keep_last_checkpoints": 1,
                 "checkpoint_dir": str(grpo_dir / "ckpt"),
                 "lr": g.lr,
@@ -265,6 +319,8 @@ class Demo:
                            "tool_use_rate": m.get("rollout/tool_use_rate"),
                            "reward": m.get("critic/score/mean"), "step_seconds": m.get("perf/step_seconds"),
                            "dropped_groups": m.get("rollout/dropped_filtered", 0.0)}
+                    if self.recovery:
+                        rec.update({k: m.get(f"rollout/{k}") for k in CURVES})
                     self._record(rec)
                     bar.update(1)
                     bar.set_postfix(acc=f"{rec['accuracy']:.2f}", tool=f"{rec['tool_use_rate']:.2f}")
@@ -299,15 +355,27 @@ class Demo:
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics.unlink(missing_ok=True)
         self.prepare_data()
-        model = self.build_and_sft()
+        if self.cfg.sft_model is not None:
+            model = Path(self.cfg.sft_model)
+            if not (model / "config.json").exists():
+                raise ValueError(f"sft_model: {model} holds no model (no config.json)")
+            _stage(f"model: {model} (given, no SFT)")
+        else:
+            model = self.build_and_sft()
         with contextlib.ExitStack() as stack:
             self.start_services(stack, model)
             before = self.evaluate("before")
             steps = self.grpo(model)
             after = self.evaluate("after")
-        report = {"before": before, "after": after, "steps": steps,
-                  "wall_seconds": round(time.monotonic() - start, 1),
-                  "seed": self.cfg.seed, "config": self.cfg.model_dump()}
+        report: dict[str, Any] = {"before": before, "after": after, "steps": steps,
+                                  "wall_seconds": round(time.monotonic() - start, 1),
+                                  "seed": self.cfg.seed, "config": self.cfg.model_dump()}
+        if self.recovery:  # what the trainer trained on: responses with >= 2 tool calls, all steps
+            grpo = [r for r in _jsonl(self.metrics) if r.get("phase") == "grpo"]
+            report["task"] = "recovery"
+            multi = sum(r.get("multi_call_responses") or 0 for r in grpo)
+            report["trained_multi_call_responses"] = int(multi)
+            report["trained_responses"] = steps * self.cfg.grpo.batch_prompts * self.cfg.grpo.group_size
         (self.out / "report.json").write_text(json.dumps(report, indent=2))
         plot(self.metrics, self.out / "progress.png")
         return report

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -182,10 +183,13 @@ def _corpus(seed: int, lines: int = 3000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0, individual_digits: bool = False) -> Any:
+def build_tokenizer(vocab_size: int, seed: int = 0, individual_digits: bool = False,
+                    extra_corpus: Sequence[str] = ()) -> Any:
     """A byte-level BPE tokenizer trained on the synthetic corpus, as a PreTrainedTokenizerFast.
 
     With ``individual_digits`` every digit is its own pre-token (no merges across digits).
+    ``extra_corpus``: more training lines (a task's own texts, so they get merges); without them
+    the tokenizer is exactly the one of the synthetic corpus alone.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -203,7 +207,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0, individual_digits: bool = Fa
         special_tokens=[],
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator([*_corpus(seed), *extra_corpus], trainer=trainer)
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -252,14 +256,18 @@ def build_model(size: Size, tokenizer: Any, seed: int = 0) -> Any:
     return model
 
 
-def init_model_dir(out: str | Path, size: Size = "tiny", seed: int = 0) -> Path:
-    """Create ``out`` with model weights (safetensors), config, generation config and tokenizer."""
+def init_model_dir(
+    out: str | Path, size: Size = "tiny", seed: int = 0, extra_corpus: Sequence[str] = ()
+) -> Path:
+    """Create ``out`` with model weights (safetensors), config, generation config and tokenizer
+    (``extra_corpus``: see ``build_tokenizer``)."""
     if size not in PRESETS:
         raise ValueError(f"size: {size!r} is not one of {sorted(PRESETS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(
-        PRESETS[size].vocab_size, seed=0, individual_digits=PRESETS[size].individual_digits
+        PRESETS[size].vocab_size, seed=0, individual_digits=PRESETS[size].individual_digits,
+        extra_corpus=extra_corpus,
     )
     model = build_model(size, tokenizer, seed=seed)
     model.save_pretrained(out)

@@ -36,7 +36,9 @@ import torch.distributed as dist
 from services.common.config import ConfigError
 from services.common.logging import get_logger
 from services.common.schemas import Group
+from services.common.tool_curves import tool_curves
 from services.data.prompt_jobs import load_prompt_jobs
+from services.trainer import fault_mask
 from services.trainer.batch import Rollout, build_samples
 from services.trainer.run_config import RunConfig  # noqa: F401 - re-exported (retool trainer run)
 from services.trainer.staleness import StalenessManager
@@ -72,19 +74,21 @@ def planned_steps(max_steps: int | None, prompts: int, epochs: int, batch_prompt
 
 
 def rollouts_of(groups: Sequence[Group], incorrect_reward: float) -> list[Rollout]:
-    return [
-        Rollout(
-            group_id=g.job_id,
-            prompt_ids=g.prompt_ids,
-            response_ids=t.response_ids,
-            response_loss_mask=t.loss_mask,
-            reward=t.reward if t.reward is not None else incorrect_reward,
-            rollout_logprobs=t.logprobs,
-            truncated=t.truncated,
-        )
-        for g in groups
-        for t in g.trajectories
-    ]
+    fault = fault_mask.mode()  # None in every real run (test-only fault injection)
+    out = []
+    for g in groups:
+        for t in g.trajectories:
+            ids, mask, lps = fault_mask.break_layout(t.response_ids, t.loss_mask, t.logprobs, fault)
+            out.append(Rollout(
+                group_id=g.job_id,
+                prompt_ids=g.prompt_ids,
+                response_ids=ids,
+                response_loss_mask=mask,
+                reward=t.reward if t.reward is not None else incorrect_reward,
+                rollout_logprobs=lps,
+                truncated=t.truncated,
+            ))
+    return out
 
 
 class MetricsSink:
@@ -305,6 +309,7 @@ class Trainer:
         stats["rollout/tool_calls_mean"] = sum(t.tool_calls for t in trajs) / len(trajs)
         stats["rollout/accuracy"] = sum(bool(t.correct) for t in trajs) / len(trajs)
         stats["rollout/tool_use_rate"] = sum(t.tool_calls > 0 for t in trajs) / len(trajs)
+        stats.update({f"rollout/{k}": v for k, v in tool_curves(trajs).items() if v is not None})
         from services.trainer.observability import queue_stats
 
         stats.update(await queue_stats(self.feeder.stream, self.reader.stream))

@@ -248,3 +248,18 @@ async def test_a_failing_sample_fails_the_group_and_cancels_the_others() -> None
     with pytest.raises(RuntimeError, match="device lost"):
         await asyncio.wait_for(loop.run_group(loop.build_prompt(MESSAGES), 2), 10)
     assert engine.cancelled.is_set()
+
+
+async def test_per_call_errors_and_the_first_code_position() -> None:
+    turn1 = "Think first.\n<code>print(comb(5, 2))</code>"
+    turn2 = "<code>from math import comb\nprint(comb(5, 2))</code>"
+    outs = [ToolResult("NameError: name 'comb' is not defined", True), ToolResult("10", False)]
+    loop, _, _ = _loop([turn1, turn2, "<answer>10</answer>"], tools=RecordingTools(outs))
+    traj = await loop.run_one(loop.build_prompt(MESSAGES))
+    assert (traj.tool_calls, traj.tool_errors, traj.tool_call_errors) == (2, 1, [True, False])
+    # the tokens before the first call's <code> decode to exactly the text before it
+    assert traj.first_code_token is not None
+    assert TOK.decode(traj.response_ids[: traj.first_code_token]) == "Think first.\n"
+    none, _, _ = _loop(["<answer>4</answer>"])
+    direct = await none.run_one(none.build_prompt(MESSAGES))
+    assert (direct.tool_call_errors, direct.first_code_token) == ([], None)

@@ -102,6 +102,8 @@ class _State:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_call_errors: list[bool] = field(default_factory=list)
+    first_code_token: int | None = None
     session_id: str | None = None  # tool_session persistent: opened at the first tool call
 
     def add_generated(self, ids: list[int], lps: list[float], vers: list[int]) -> None:
@@ -227,7 +229,11 @@ class AgentLoop:
                     break
                 st.tool_calls += 1
                 turn_text = self.tokenizer.decode(st.response_ids[turn_start:])
+                if st.first_code_token is None:
+                    st.first_code_token = turn_start + self._open_tag_offset(st.response_ids[turn_start:],
+                                                                             turn_text)
                 out = await self._call_tool(turn_text, index, on_event, st)
+                st.tool_call_errors.append(out.error)
                 if out.error:
                     st.tool_errors += 1
                 shown = tool_result_text(out.text, self.cfg)
@@ -248,6 +254,23 @@ class AgentLoop:
                 finish = "abort"
             break
         return finish, truncated
+
+    def _open_tag_offset(self, turn_ids: list[int], turn_text: str) -> int:
+        """Tokens of the turn before the one where the call's last opening tag (``<code>``) starts;
+        the whole turn when it has none (a malformed call). The decoded prefixes grow with their
+        length, so a binary search finds the first prefix that reaches past the tag's start."""
+        tag = "<code>" if self.cfg.tool_format == "code" else "<tool_call>"
+        at = turn_text.rfind(tag)
+        if at < 0:
+            return len(turn_ids)
+        lo, hi = 0, len(turn_ids)  # smallest k with len(decode(turn_ids[:k])) > at
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(turn_ids[:mid])) > at:
+                hi = mid
+            else:
+                lo = mid + 1
+        return max(lo - 1, 0)
 
     async def _run_tool(self, code: str, st: _State) -> ToolResult:
         if self.cfg.tool_session == "stateless":
@@ -302,6 +325,8 @@ class AgentLoop:
             turns=st.turns,
             tool_calls=st.tool_calls,
             tool_errors=st.tool_errors,
+            tool_call_errors=st.tool_call_errors,
+            first_code_token=st.first_code_token,
             finish_reason=finish,
             truncated=truncated,
             reward=reward,
