@@ -345,40 +345,34 @@ def kill_rollout(s: Stack) -> FaultResult:
 def kill_sandbox(s: Stack) -> FaultResult:
     """2. SIGKILL of the sandbox container with runs in flight (two of our own, long, plus the
     training's): tool calls retry (counted) and ride it out or fail their group loudly."""
-    name = s.container("sandbox")
     for _ in range(2):
         _background(lambda: s.c.python("rollout-cpu", SLEEPING_RUN, index=2, timeout=150, check=False))
     wait_for("runs in flight in the sandbox",
              lambda: s.metric("sandbox", 1, "sandbox_executions_in_flight", 8080) >= 2, timeout_s=60,
              interval_s=0.5)
-    step0, r0, t0 = s.trainer_step(), s.restarts(name), time.monotonic()
-    s.sigkill(name)
-    s.wait_restarted(name, r0)
-    s.wait_steps(step0)
-    took = time.monotonic() - t0
-    window = took + 10
-    retries = s.prom_sum('rollout_retries_total{target="sandbox"}', window)
-    failed = s.prom_sum('rollout_worker_jobs{outcome="failed"}', window, fn="delta")
-    up0 = s.prom(f'min_over_time(up{{job="sandbox"}}[{int(window)}s])')
-    return FaultResult("sandbox SIGKILL with runs in flight", took, seen=up0 == 0 or retries > 0,
-                       visible=f"min up{{job=sandbox}}={up0}, sandbox retries +{retries:.0f}",
-                       redone={"jobs_failed_and_retried": failed})
+    return _kill_a_rollout_dependency(s, "sandbox", "sandbox SIGKILL with runs in flight")
 
 
 def kill_reward(s: Stack) -> FaultResult:
     """3. SIGKILL of the reward container while rollouts are being graded."""
-    name = s.container("reward")
+    return _kill_a_rollout_dependency(s, "reward", "reward SIGKILL while grading")
+
+
+def _kill_a_rollout_dependency(s: Stack, service: str, label: str) -> FaultResult:
+    """SIGKILL ``service`` (sandbox or reward), wait for its restart and two more trainer steps;
+    seen when its ``up`` went to 0 or the replicas' retries towards it rose."""
+    name = s.container(service)
     step0, r0, t0 = s.trainer_step(), s.restarts(name), time.monotonic()
     s.sigkill(name)
     s.wait_restarted(name, r0)
     s.wait_steps(step0)
     took = time.monotonic() - t0
     window = took + 10
-    retries = s.prom_sum('rollout_retries_total{target="reward"}', window)
+    retries = s.prom_sum(f'rollout_retries_total{{target="{service}"}}', window)
     failed = s.prom_sum('rollout_worker_jobs{outcome="failed"}', window, fn="delta")
-    up0 = s.prom(f'min_over_time(up{{job="reward"}}[{int(window)}s])')
-    return FaultResult("reward SIGKILL while grading", took, seen=up0 == 0 or retries > 0,
-                       visible=f"min up{{job=reward}}={up0}, reward retries +{retries:.0f}",
+    up0 = s.prom(f'min_over_time(up{{job="{service}"}}[{int(window)}s])')
+    return FaultResult(label, took, seen=up0 == 0 or retries > 0,
+                       visible=f"min up{{job={service}}}={up0}, {service} retries +{retries:.0f}",
                        redone={"jobs_failed_and_retried": failed})
 
 
