@@ -28,7 +28,7 @@ import sys
 import pytest
 
 from tests.deploy import chaos
-from tests.deploy.engine import Phases, require_engine, run
+from tests.deploy.engine import Phases, build_image, require_engine
 
 pytestmark = pytest.mark.integration
 IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
@@ -41,8 +41,7 @@ def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp
     phases = Phases()
     tmp = tmp_path_factory.mktemp("chaos")
     tmp.chmod(0o755)
-    run(["env", "DOCKER_BUILDKIT=0", "docker", "build", "--network", "host", "-f", "deploy/docker/Dockerfile",
-         "-t", IMAGE, "."], timeout=1800)
+    build_image(IMAGE)
     phases.done("build image")
     s = chaos.Stack.prepare(tmp, IMAGE, f"retool-chaos-{os.getpid()}")
     phases.done("model and data")

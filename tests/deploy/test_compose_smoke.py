@@ -53,7 +53,16 @@ from services.common.files import make_world_readable
 from services.demo.task import question, rl_rows, sft_messages, write_parquet
 from services.sandbox import container_profile
 from tests.deploy import container_seccomp, sandbox_escape
-from tests.deploy.engine import REPO, Compose, Phases, image_exists, require_engine, run, wait_for
+from tests.deploy.engine import (
+    REPO,
+    Compose,
+    Phases,
+    build_image,
+    image_exists,
+    require_engine,
+    run,
+    wait_for,
+)
 from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 
 pytestmark = pytest.mark.integration
@@ -255,8 +264,7 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
     tmp.chmod(0o755)
 
     # 1. the image, as a user builds it (classic builder: no BuildKit on every engine)
-    run(["env", "DOCKER_BUILDKIT=0", "docker", "build", "--network", "host", "-f", "deploy/docker/Dockerfile",
-         "-t", IMAGE, "."], timeout=1800)
+    build_image(IMAGE)
     phases.done("build image")
 
     model, data, run_cfg = _prepare(tmp)
