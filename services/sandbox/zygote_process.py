@@ -54,17 +54,24 @@ class Zygote:
         self.preload = preload
         self.proc: asyncio.subprocess.Process | None = None
         self.restarts = 0
+        self.ready = False  # it reported READY (its socket listens) since it was last started
         self.info: dict[str, object] = {}  # what the zygote reported when it became ready
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        """Running and ready: a zygote being (re)started is not alive until it reports READY, so
+        /healthz and the dispatch never count or pick one whose socket does not listen yet."""
+        return self.ready and self.proc is not None and self.proc.returncode is None
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     async def start(self, timeout_s: float = 180.0) -> None:
+        self.ready = False
+        if self.proc is not None and self.proc.returncode is None:  # a start that never got ready
+            self.proc.kill()
+            await self.proc.wait()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.sock_path)
         s = self.setup
@@ -87,9 +94,11 @@ class Zygote:
         if not line.startswith(b"READY"):
             raise RuntimeError(f"zygote {self.name} failed to start (exit code {self.proc.returncode})")
         self.info = json.loads(line[len(b"READY"):] or b"{}")
+        self.ready = True
 
     async def stop(self) -> None:
-        if self.alive:
+        self.ready = False
+        if self.proc is not None and self.proc.returncode is None:
             assert self.proc is not None
             self.proc.kill()
             await self.proc.wait()

@@ -158,8 +158,8 @@ def test_sandbox_as_pid_1_with_only_its_capabilities(tmp_path, service_cgroups):
         assert result["status"] == "SandboxError", result
         _wait_for(lambda: all("services.sandbox.zygote" in cmd for cmd in _direct_children(service).values()),
                   30, "pid 1 to kill and reap what the dead zygotes left")
-        _wait_for(lambda: httpx.get(f"{sb.url}/healthz", timeout=10).json()["zygotes_alive"] == 2, 120,
-                  "the zygotes to be restarted")
+        _wait_for(lambda: (h := httpx.get(f"{sb.url}/healthz", timeout=10).json())["zygote_restarts"] == 2
+                  and h["zygotes_alive"] == 2, 120, "the zygotes to be restarted")
         assert stdout_of(run_code(sb.url, "print(6 * 7)")) == "42\n"
 
         # docker stop: SIGTERM to pid 1 ends the service and everything below it

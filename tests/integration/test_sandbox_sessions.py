@@ -303,8 +303,8 @@ def test_sessions_end_with_their_worker_and_with_the_service(tmp_path):
         os.kill(zygote, signal.SIGKILL)
         _wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in tree), 30,
                   "the session's processes to end with their zygote")
-        _wait_for(lambda: httpx.get(f"{sb.url}/healthz", timeout=10).json()["zygotes_alive"] == 1, 120,
-                  "the zygote to be restarted")
+        _wait_for(lambda: (h := httpx.get(f"{sb.url}/healthz", timeout=10).json())["zygote_restarts"] == 1
+                  and h["zygotes_alive"] == 1, 120, "the zygote to be restarted")
         r = _cell(sb.url, s, "1")
         assert r.status_code == 410 and "worker" in r.json()["detail"], r.text
         s2 = open_session(sb.url)  # the restarted zygote holds new sessions

@@ -155,7 +155,8 @@ async def test_trains_pushes_checkpoints_and_resumes(tmp_path, redis_server, rep
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert all(m["weights/push_seconds"] > 0 and "actor/pg_loss" in m for m in lines)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ledger.jsonl", "step_00000002",
+                                                                      "step_00000003"]
     # admission control: never more than (max_staleness + version + 1) * batch_prompts jobs
     assert len(replica["seen"]) <= (1 + 3 + 1) * 2
 
@@ -220,7 +221,7 @@ async def test_sigterm_checkpoints_the_current_step_and_exits_cleanly(tmp_path, 
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert 2 <= last < 50
     assert f"SIGTERM: checkpoint written at step {last}" in log.read_text()
-    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == [f"step_{last:08d}"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ledger.jsonl", f"step_{last:08d}"]
 
 
 async def test_sigterm_while_waiting_for_groups_keeps_the_partial_batch_for_the_resumed_run(
@@ -247,7 +248,7 @@ async def test_sigterm_while_waiting_for_groups_keeps_the_partial_batch_for_the_
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(proc.wait(), 120) == 0, log.read_text()
     assert "releasing 1 held" in log.read_text() and "checkpoint written at step 1" in log.read_text()
-    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_00000001"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["ledger.jsonl", "step_00000001"]
     assert await groups.pending() == 1  # neither acknowledged nor lost
 
     replica["answer_limit"][0] = None
