@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import threading
@@ -40,7 +39,7 @@ from typing import Any
 import yaml
 
 from services.trainer.ledger import LedgerReport, check_file
-from tests.deploy.engine import REPO, Compose, run, wait_for
+from tests.deploy.engine import REPO, Compose, run, wait_for, write_compose_env
 
 REPLICAS = 2
 PROGRESS_STEPS = 2
@@ -112,19 +111,14 @@ class Stack:
     @classmethod
     def prepare(cls, tmp: Path, image: str, project: str) -> Stack:
         """Model (init-tiny + a short SFT), data, run config, env file and override under ``tmp``."""
-        from tests.deploy.test_compose_smoke import _free_port, _prepare
+        from tests.deploy.test_compose_smoke import TRAINER_ENV, _prepare
 
         model, data, run_cfg = _prepare(tmp)
         cfg = chaos_run_config(yaml.safe_load(run_cfg.read_text()))
         run_cfg.write_text(yaml.safe_dump(cfg))
-        prom_port = _free_port()
         env = tmp / "chaos.env"
-        env.write_text("\n".join([
-            f"RETOOL_IMAGE={image}", f"MODEL_DIR={model}", f"DATA_DIR={data}",
-            f"RETOOL_WEIGHT_TOKEN={secrets.token_hex(16)}", f"GRAFANA_ADMIN_PASSWORD={secrets.token_hex(8)}",
-            f"PROMETHEUS_PORT={prom_port}", f"GRAFANA_PORT={_free_port()}", "SANDBOX_MAX_CONCURRENCY=8",
-            "TRAINER_CPU_THREADS=1", "TRAINER_NPROC=1", "CHECKPOINT_DIR=checkpoints",
-        ]) + "\n")
+        prom_port = write_compose_env(env, image=image, model=model, data=data, sandbox_concurrency=8,
+                                      extra=TRAINER_ENV)
         prom_cfg = tmp / "prometheus.yml"
         prom_cfg.write_text(fast_prometheus_config(REPO))
         prom_cfg.chmod(0o644)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +51,26 @@ def run(args: Sequence[str], *, timeout: float, check: bool = True, input: str |
         raise AssertionError(f"{' '.join(args)} -> {proc.returncode}\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-3000:]}")
     return proc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # type: ignore[no-any-return]
+
+
+def write_compose_env(path: Path, *, image: str, model: Path, data: Path, sandbox_concurrency: int,
+                      extra: Sequence[str] = ()) -> int:
+    """The compose env file of a test stack (fresh tokens, free host ports for Prometheus and
+    Grafana, then ``extra`` lines); returns Prometheus' host port."""
+    prometheus_port = free_port()
+    path.write_text("\n".join([
+        f"RETOOL_IMAGE={image}", f"MODEL_DIR={model}", f"DATA_DIR={data}", *extra,
+        f"RETOOL_WEIGHT_TOKEN={secrets.token_hex(16)}", f"GRAFANA_ADMIN_PASSWORD={secrets.token_hex(8)}",
+        f"PROMETHEUS_PORT={prometheus_port}", f"GRAFANA_PORT={free_port()}",
+        f"SANDBOX_MAX_CONCURRENCY={sandbox_concurrency}",
+    ]) + "\n")
+    return prometheus_port
 
 
 def build_image(tag: str) -> None:

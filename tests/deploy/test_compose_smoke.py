@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ from tests.deploy.engine import (
     require_engine,
     run,
     wait_for,
+    write_compose_env,
 )
 from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 
@@ -72,13 +72,8 @@ REPLICAS = 2
 MIN_STEPS = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SFT_STEPS = 20
+TRAINER_ENV = ("TRAINER_CPU_THREADS=1", "TRAINER_NPROC=1", "CHECKPOINT_DIR=checkpoints")
 
 
 def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
@@ -123,12 +118,8 @@ def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
 
 def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path) -> Compose:
     env = tmp / "smoke.env"
-    env.write_text("\n".join([
-        f"RETOOL_IMAGE={IMAGE}", f"MODEL_DIR={model}", f"DATA_DIR={data}",
-        f"RETOOL_WEIGHT_TOKEN={secrets.token_hex(16)}", f"GRAFANA_ADMIN_PASSWORD={secrets.token_hex(8)}",
-        f"PROMETHEUS_PORT={_free_port()}", f"GRAFANA_PORT={_free_port()}", "SANDBOX_MAX_CONCURRENCY=8",
-        "TRAINER_CPU_THREADS=1", "TRAINER_NPROC=1", "CHECKPOINT_DIR=checkpoints",
-    ]) + "\n")
+    write_compose_env(env, image=IMAGE, model=model, data=data, sandbox_concurrency=8,
+                      extra=TRAINER_ENV)
     override = tmp / "smoke.override.yml"
     override.write_text(yaml.safe_dump({"services": {
         "trainer-cpu": {"volumes": [f"{run_cfg}:/etc/retool/tiny-cpu.yaml:ro"]},

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import subprocess
 import sys
 import time
@@ -45,9 +44,17 @@ import yaml
 
 from services.common.files import make_world_readable
 from services.demo.task import rl_rows, write_parquet
-from tests.deploy.engine import REPO, Compose, Phases, build_image, require_engine, wait_for
+from tests.deploy.engine import (
+    REPO,
+    Compose,
+    Phases,
+    build_image,
+    require_engine,
+    wait_for,
+    write_compose_env,
+)
 from tests.deploy.multinode_scripts import DOORS, PRODUCER
-from tests.deploy.test_compose_smoke import _free_port, _prometheus
+from tests.deploy.test_compose_smoke import _prometheus
 from tests.helpers.secure import mint
 
 pytestmark = pytest.mark.integration
@@ -126,12 +133,8 @@ def _trainer(base: dict, *, hostname: str, nnodes: int, nproc: int, endpoint: st
 
 def _compose(tmp: Path, paths: dict[str, Path]) -> Compose:
     env = tmp / "secure.env"
-    env.write_text("\n".join([
-        f"RETOOL_IMAGE={IMAGE}", f"MODEL_DIR={paths['model']}", f"DATA_DIR={paths['data']}",
-        f"RETOOL_SECRETS_DIR={paths['secrets']}", "NODE_ADDR=127.0.0.1",
-        f"RETOOL_WEIGHT_TOKEN={secrets.token_hex(8)}", f"GRAFANA_ADMIN_PASSWORD={secrets.token_hex(8)}",
-        f"PROMETHEUS_PORT={_free_port()}", f"GRAFANA_PORT={_free_port()}", "SANDBOX_MAX_CONCURRENCY=4",
-    ]) + "\n")
+    write_compose_env(env, image=IMAGE, model=paths["model"], data=paths["data"], sandbox_concurrency=4,
+                      extra=(f"RETOOL_SECRETS_DIR={paths['secrets']}", "NODE_ADDR=127.0.0.1"))
     project = f"retool-secure-{os.getpid()}"
     merged_from = Compose(project, env, [REPO / "deploy" / "docker-compose.yml",
                                          REPO / "deploy" / "docker-compose.multinode.yml"])
