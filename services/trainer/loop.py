@@ -384,9 +384,12 @@ class Trainer:
         return box[0]
 
     async def _push(self, version: int) -> dict[str, float]:
-        from services.trainer.fsdp import full_state_dict
+        from services.trainer.fsdp import encode_on_device, full_state_dict
+        from services.trainer.step import model_device
 
-        weights = full_state_dict(self.actor)  # collective
+        on_device = encode_on_device(self.cfg.weight_encode_where, model_device(self.actor), self.world,
+                                     self.cfg.weight_transport)
+        weights = full_state_dict(self.actor, on_device=on_device)  # collective
         if self.rank != 0 or not self.cfg.rollout_targets:
             return {}
         from services.trainer.push import WeightPusher
@@ -405,6 +408,7 @@ class Trainer:
                 self.cfg.rollout_targets, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
                 transport=self.cfg.weight_transport, delta=self.cfg.weight_delta, dtype=self.cfg.weight_dtype,
                 wait_s=self.cfg.weight_push_wait_s, security=ChannelSecurity.from_files(self.cfg.weight_tls),
+                encode_where="device" if on_device else "host",
             )
         # dns: targets resolve to every replica on each push; failed attempts are retried and counted
         return await self._pusher.push(weights, version)
