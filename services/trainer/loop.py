@@ -142,6 +142,7 @@ class Trainer:
         self.cfg = cfg
         self.tcfg = cfg.trainer
         self.stop_requested = False
+        self.vocab_size: int | None = None  # the model's; the feed drops groups with ids beyond it
 
     # ---- set-up -----------------------------------------------------------------------------
     def _setup_model(self) -> None:
@@ -165,6 +166,7 @@ class Trainer:
             )
         self.rank, self.world, mesh = init_distributed(self.tcfg)
         lm = AutoModelForCausalLM.from_pretrained(self.tcfg.model_path, dtype=torch.float32)
+        self.vocab_size = lm.get_input_embeddings().num_embeddings
         self.actor = Actor(lm, chunk_tokens=self.tcfg.logprob_chunk_tokens, temperature=self.tcfg.temperature)
         if wants_fsdp(self.world):
             apply_fsdp2(self.actor, self.tcfg.fsdp, mesh)
@@ -203,7 +205,7 @@ class Trainer:
         self.ledger = LedgerWriter(ledger_path(self.tcfg.checkpoint_dir))
         self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs,
                                    ledger=self.ledger)
-        self.reader = GroupReader(groups, self.cfg.consumer, self.manager)
+        self.reader = GroupReader(groups, self.cfg.consumer, self.manager, vocab_size=self.vocab_size)
         self.dead = DeadLetters(dead, self.cfg.consumer)
 
     def _resume(self) -> int:
