@@ -109,7 +109,7 @@ class SyntheticEngine:
         self._closed = False
         self.stats = EngineStats()
         self._stats_written = 0.0
-        self._pieces: dict[int, str] = {}  # token id -> its text alone (the stop pre-check)
+        self._stop_verdicts: dict[str, dict[int, bool]] = {}  # last chars -> token id -> may complete
 
     # ------------------------------------------------------------------ contract
     @property
@@ -285,14 +285,19 @@ class SyntheticEngine:
             self._context_tokens -= s.context_len + len(s.generated)
 
     def _may_stop(self, tok: int, s: _Seq) -> bool:
-        """False only when ``tok`` cannot complete any of ``s``'s (all-ASCII) stop strings."""
+        """False only when ``tok`` cannot complete any of ``s``'s (all-ASCII) stop strings (one dict
+        lookup per token: the verdict per token id is cached per set of last characters)."""
         ends = s.stop_ends
         if ends is None:
             return True
-        piece = self._pieces.get(tok)
-        if piece is None:
-            piece = self._pieces[tok] = self.tokenizer.decode([tok])
-        return any(c in piece for c in ends)
+        verdicts = self._stop_verdicts.get(ends)
+        if verdicts is None:
+            verdicts = self._stop_verdicts[ends] = {}
+        verdict = verdicts.get(tok)
+        if verdict is None:
+            piece = self.tokenizer.decode([tok])
+            verdict = verdicts[tok] = any(c in piece for c in ends)
+        return verdict
 
     def _emit(self, s: _Seq, reason: FinishReason | None, stop_str: str | None) -> None:
         chunk = GenerationChunk(index=s.index, token_ids=s.out_ids, logprobs=s.out_lps, versions=s.out_vers,
