@@ -316,10 +316,33 @@ def report(args: argparse.Namespace, out: Path, wall: float, cpu0: dict[str, flo
 
 
 # ---- the ceiling of one rollout process ------------------------------------------------------------
-def ceiling(args: argparse.Namespace) -> dict[str, Any]:
-    """One replica on the ``infinite`` engine, no tools (one turn of ``--ceiling-tokens``), fed
-    ``--ceiling-requests`` concurrent requests of n=16 over HTTP: tokens/s and our CPU per token.
-    With ``--profile`` the replica runs under ``py-spy record`` and the hottest frames are summarised."""
+def ceilings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ceiling of this tree and, with ``--baseline-ref``, of that git revision (exported to a
+    temporary directory and run the same way, in the same run): before/after and their ratio."""
+    import tempfile
+
+    results: dict[str, Any] = {}
+    if args.baseline_ref:
+        with tempfile.TemporaryDirectory(prefix="scale-baseline-") as tmp:
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline_ref],
+                                     check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            results["before"] = ceiling(args, "before", tmp)
+    results["after"] = ceiling(args, "after", str(ROOT))
+    if "before" in results:
+        b, a = results["before"], results["after"]
+        results["after/before tok_per_s"] = round(a["tok_per_s"] / max(b["tok_per_s"], 1e-9), 2)
+        results["after/before us_per_token_ours"] = round(a["us_per_token_ours"] / max(b["us_per_token_ours"],
+                                                                                      1e-9), 2)
+    Path(args.out, "ceiling.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def ceiling(args: argparse.Namespace, label: str, tree: str) -> dict[str, Any]:
+    """One replica (code from ``tree``) on the ``infinite`` engine, no tools (one turn of
+    ``--ceiling-tokens``), fed ``--ceiling-requests`` concurrent requests of n=16 over HTTP: tokens/s
+    and our CPU per token. With ``--profile`` the replica runs under ``py-spy record`` and the hottest
+    frames are summarised."""
     import httpx
 
     from services.rollout.model_init import init_model_dir
@@ -329,9 +352,9 @@ def ceiling(args: argparse.Namespace) -> dict[str, Any]:
     model = out / "model"
     if not (model / "config.json").exists():
         init_model_dir(model, "small", 0)
-    stats = out / "ceiling-engine.json"
+    stats = out / f"ceiling-{label}-engine.json"
     stats.unlink(missing_ok=True)
-    raw = out / "ceiling-profile.raw"
+    raw = out / f"ceiling-{label}-profile.raw"
     kw = {"preset": "infinite", "stats_path": str(stats), "tool_calls_mean": 0.0,
           "reasoning_tokens_mean": args.ceiling_tokens, "stream_interval": args.stream_interval}
     spy = [str(Path(sys.executable).parent / "py-spy"), "record", "-o", str(raw), "-f", "raw", "-r", "100",
@@ -339,7 +362,8 @@ def ceiling(args: argparse.Namespace) -> dict[str, Any]:
     with ServiceProcess(["rollout", "serve", "--model", str(model), "--set", "engine=synthetic",
                          "--set", "agent.include_text=false",
                          *[x for k, v in kw.items() for x in ("--set", f"engine_kwargs.{k}={v}")]],
-                        env={"OMP_NUM_THREADS": "1"}, log_path=out / "ceiling-rollout.log",
+                        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": tree},
+                        log_path=out / f"ceiling-{label}-rollout.log",
                         startup_timeout_s=180, wrapper=spy) as proc:
         pid = proc.proc.pid if proc.proc else 0
         body = {"messages": [{"role": "user", "content": "Problem #1: compute it."}], "n": 16,
@@ -369,8 +393,7 @@ def ceiling(args: argparse.Namespace) -> dict[str, Any]:
               "stream_interval": args.stream_interval}
     if args.profile and raw.exists():
         result["profile_top"] = hottest(raw)
-        (out / "ceiling-profile.txt").write_text("\n".join(result["profile_top"]))
-    (out / "ceiling.json").write_text(json.dumps(result, indent=2))
+        (out / f"ceiling-{label}-profile.txt").write_text("\n".join(result["profile_top"]))
     return result
 
 
@@ -391,10 +414,15 @@ def hottest(raw: Path, top: int = 20) -> list[str]:
         for f in {f.rsplit(":", 1)[0] + ")" for f in frames if "(services/" in f}:
             incl[f] = incl.get(f, 0) + n
     lines = [f"event-loop samples: {total}", "self:"]
-    lines += [f"{100 * n / max(total, 1):5.1f}%  {f}" for f, n in sorted(self_n.items(), key=lambda kv: -kv[1])[:top]]
+    lines += _ranked(self_n, total, top)
     lines.append("inclusive, services/ functions:")
-    lines += [f"{100 * n / max(total, 1):5.1f}%  {f}" for f, n in sorted(incl.items(), key=lambda kv: -kv[1])[:top]]
+    lines += _ranked(incl, total, top)
     return lines
+
+
+def _ranked(counts: dict[str, int], total: int, top: int) -> list[str]:
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return [f"{100 * n / max(total, 1):5.1f}%  {f}" for f, n in ranked]
 
 
 def table(r: dict[str, Any]) -> str:
@@ -431,12 +459,13 @@ def main() -> int:
     ap.add_argument("--ceiling-requests", type=int, default=16, help="concurrent requests of n=16")
     ap.add_argument("--ceiling-tokens", type=int, default=2000, help="tokens per response (one turn)")
     ap.add_argument("--profile", action="store_true", help="run the ceiling replica under py-spy")
+    ap.add_argument("--baseline-ref", help="git revision whose ceiling is measured first (before/after)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.steps, args.reasoning_tokens, args.payload_mb = 1, 2, 120, 8.0
         args.sandbox_workers, args.prompt_words = min(args.sandbox_workers, 16), 40
     if args.ceiling:
-        print(json.dumps(ceiling(args), indent=2))
+        print(json.dumps(ceilings(args), indent=2))
         return 0
     r = run(args)
     print(table(r))
