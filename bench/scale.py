@@ -81,8 +81,9 @@ def trainer_config(out: Path, model: Path, redis_url: str, grpcs: list[str], htt
                    args: argparse.Namespace) -> Path:
     prompts = args.prompts * (args.steps + 2)
     train = write_parquet(out / "data" / "rl.parquet", rows(prompts, args.prompt_words, "t"))
+    val = write_parquet(out / "data" / "val.parquet", rows(1, args.prompt_words, "v"))  # last step validates
     cfg = {
-        "dataset": str(train), "val_dataset": str(train), "rollout_urls": [http], "redis_url": redis_url,
+        "dataset": str(train), "val_dataset": str(val), "rollout_urls": [http], "redis_url": redis_url,
         "rollout_targets": grpcs, "weight_token_env": TOKEN_ENV, "max_steps": args.steps,
         "metrics_path": str(out / "metrics.jsonl"), "group_wait_s": args.group_wait_s,
         "sampling": {"temperature": 1.0, "max_tokens": args.max_response}, "max_turns": 8,
@@ -91,7 +92,7 @@ def trainer_config(out: Path, model: Path, redis_url: str, grpcs: list[str], htt
             "batch_prompts": args.prompts, "group_size": 16, "mini_batch_size": 16,
             "max_prompt_len": 2048, "max_response_len": args.max_response,
             "micro_batch_max_tokens": 2048 + args.max_response, "max_staleness": 1,
-            "save_freq": 1000, "test_freq": 1000, "val_before_train": False,
+            "save_freq": args.save_freq, "test_freq": 1000, "val_n": 1, "val_before_train": False,
             "dynamic_sampling": {"enabled": False}, "checkpoint_dir": str(out / "ckpt"),
             "fsdp": {"param_dtype": "fp32", "gradient_checkpointing": False},
         },
@@ -108,8 +109,9 @@ class WireProbe:
     def __init__(self, url: str, stream: str = "retool:groups") -> None:
         self.url, self.stream = url, stream
         self.last = "0-0"
-        self.bytes = self.tokens = self.groups = 0
+        self.bytes = self.tokens = self.groups = self.max_entry = 0
         self.peak_memory = 0
+        self.base_memory: int | None = None  # used_memory at the first poll (before any group)
 
     async def poll(self) -> None:
         from services.common.queue import connect
@@ -119,6 +121,8 @@ class WireProbe:
         try:
             info = await client.info("memory")
             self.peak_memory = max(self.peak_memory, int(info["used_memory_peak"]))
+            if self.base_memory is None:
+                self.base_memory = int(info["used_memory"])
             while True:
                 entries = await client.xrange(self.stream, min=f"({self.last}", count=64)
                 if not entries:
@@ -126,7 +130,9 @@ class WireProbe:
                 for eid, fields in entries:
                     self.last = eid.decode() if isinstance(eid, bytes) else eid
                     raw = fields.get(b"d") or b""
-                    self.bytes += sum(len(k) + len(v) for k, v in fields.items())
+                    size = sum(len(k) + len(v) for k, v in fields.items())
+                    self.bytes += size
+                    self.max_entry = max(self.max_entry, size)
                     with contextlib.suppress(ValueError):
                         group = Group.from_msgpack(raw)
                         self.groups += 1
@@ -283,6 +289,10 @@ def report(args: argparse.Namespace, out: Path, wall: float, cpu0: dict[str, flo
     busy = sum(e.get("busy_s", 0.0) for e in engines)
     span = sum(e.get("span_s", 0.0) for e in engines)
     n = max(len(steps), 1)
+    # admission: at most (max_staleness + 1) x prompts groups in flight or held, plus the trained
+    # groups not acknowledged yet (acknowledged and deleted with each checkpoint, every save_freq)
+    groups_bound = (min(args.steps, args.save_freq) + 1 + 1) * args.prompts
+    bound = (probe.base_memory or 0) + groups_bound * probe.max_entry * 1.1  # 10%: stream/listpack overhead
     result = {
         "step_mode": "null", "preset": args.preset, "quick": args.quick, "failed": failed,
         "shape": {"prompts_per_step": args.prompts, "responses_per_step": 16 * args.prompts,
@@ -296,6 +306,9 @@ def report(args: argparse.Namespace, out: Path, wall: float, cpu0: dict[str, flo
         "us_per_token_rollout_minus_engine": per_m["rollout minus engine step work"],
         "wire_bytes_per_token": round(probe.bytes / max(probe.tokens, 1), 2),
         "wire_groups": probe.groups, "redis_peak_mib": round(probe.peak_memory / 2**20, 1),
+        "redis_bound_mib": round(bound / 2**20, 1), "redis_bound_groups": groups_bound,
+        "largest_group_mib": round(probe.max_entry / 2**20, 2),
+        "redis_bound_holds": probe.peak_memory <= bound,
         "sandbox_calls": calls, "window_s": round(window, 1),
         "sandbox_calls_per_s_per_core": round(calls / window / cores, 2),
         "grades_per_s_per_core": round(grades / window / cores, 2),
@@ -430,6 +443,7 @@ def table(r: dict[str, Any]) -> str:
              f"| step_mode | {r['step_mode']} (forward/backward skipped) |"]
     for key in ("preset", "steps", "wall_s", "generated_tokens", "rollout_tok_per_s",
                 "us_per_token_rollout_minus_engine", "wire_bytes_per_token", "redis_peak_mib",
+                "redis_bound_mib", "redis_bound_holds",
                 "sandbox_calls_per_s_per_core", "grades_per_s_per_core", "engine_idle_fraction"):
         lines.append(f"| {key} | {r[key]} |")
     lines += [f"| CPU-s per 1M tokens: {k} | {v} |" for k, v in r["cpu_s_per_1M_tokens"].items()]
@@ -452,6 +466,7 @@ def main() -> int:
     ap.add_argument("--tool-calls-mean", type=float, default=5.0)
     ap.add_argument("--stream-interval", type=int, default=1)
     ap.add_argument("--payload-mb", type=float, default=64.0)
+    ap.add_argument("--save-freq", type=int, default=2, help="checkpoint (and acknowledge groups) every N")
     ap.add_argument("--group-wait-s", type=float, default=1800)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/scale")
@@ -470,7 +485,8 @@ def main() -> int:
     r = run(args)
     print(table(r))
     print(json.dumps({k: r[k] for k in ("steps", "failed", "ledger")}))
-    return 0 if r["failed"] is None and r["ledger"]["ok"] and r["steps"] == args.steps else 1
+    ok = r["failed"] is None and r["ledger"]["ok"] and r["steps"] == args.steps and r["redis_bound_holds"]
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
