@@ -48,6 +48,8 @@ from services.stack.local import start_tool_services  # noqa: E402
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
 CLK = os.sysconf("SC_CLK_TCK")
+PROBE_BATCH = 4  # groups per XRANGE reply of the wire probe (its reply buffer counts in Redis memory)
+REDIS_SLACK = 8 << 20  # Redis's own allocator and client buffers, beyond the groups it holds
 PROMPT_PAD = " Consider all cases carefully and justify each step of the computation."
 
 
@@ -124,7 +126,7 @@ class WireProbe:
             if self.base_memory is None:
                 self.base_memory = int(info["used_memory"])
             while True:
-                entries = await client.xrange(self.stream, min=f"({self.last}", count=64)
+                entries = await client.xrange(self.stream, min=f"({self.last}", count=PROBE_BATCH)
                 if not entries:
                     break
                 for eid, fields in entries:
@@ -220,18 +222,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pids = {"redis": redis._proc.pid if redis._proc else 0, "trainer": trainer.pid,
                 **{f"rollout-{i}": p.proc.pid for i, (p, _, _) in enumerate(replicas) if p.proc},
                 **dict(_tool_pids(stack))}
-        cpu0 = {k: cpu_seconds(v) for k, v in pids.items() if v}
-        cpu1 = dict(cpu0)
+        cpu0: dict[str, float] = {}  # taken when the first token is generated: start-up left out
+        cpu1: dict[str, float] = {}
         scraped0 = {k: scrape(u) for k, u in (("sandbox", sandbox_url), ("reward", reward_url))}
         probe = WireProbe(redis.url)
         failed = None
         while trainer.poll() is None:
             for k, v in pids.items():  # the last reading of each tree (the trainer exits at the end)
-                if v and Path(f"/proc/{v}").exists():
+                if cpu0 and v and Path(f"/proc/{v}").exists():
                     cpu1[k] = max(cpu1.get(k, 0.0), cpu_seconds(v))
             asyncio.run(probe.poll())
             done = [m for m in metrics_rows(out / "metrics.jsonl") if "perf/step_seconds" in m]
             gen = sum(_engine(s).get("tokens", 0) for _, _, s in replicas)
+            if gen and not cpu0:
+                cpu0 = {k: cpu_seconds(v) for k, v in pids.items() if v}
             print(f"\r[{time.monotonic() - start:6.0f}s] step {len(done)}/{args.steps}  "
                   f"engine tokens {gen:,}  "
                   f"groups on the wire {probe.groups}  redis peak {probe.peak_memory / 2**20:.0f} MiB   ",
@@ -292,7 +296,8 @@ def report(args: argparse.Namespace, out: Path, wall: float, cpu0: dict[str, flo
     # admission: at most (max_staleness + 1) x prompts groups in flight or held, plus the trained
     # groups not acknowledged yet (acknowledged and deleted with each checkpoint, every save_freq)
     groups_bound = (min(args.steps, args.save_freq) + 1 + 1) * args.prompts
-    bound = (probe.base_memory or 0) + groups_bound * probe.max_entry * 1.1  # 10%: stream/listpack overhead
+    bound = ((probe.base_memory or 0) + REDIS_SLACK
+             + (groups_bound * 1.1 + PROBE_BATCH) * probe.max_entry)  # 10%: stream/listpack overhead
     result = {
         "step_mode": "null", "preset": args.preset, "quick": args.quick, "failed": failed,
         "shape": {"prompts_per_step": args.prompts, "responses_per_step": 16 * args.prompts,
