@@ -75,10 +75,13 @@ class RolloutConfig(StrictModel):
     grpc_port: int | None = Field(None, ge=0, le=65535, description="weight-push gRPC port; unset = off")
     log_level: str = "INFO"
     model: str | None = Field(None, description="model directory (weights + tokenizer)")
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "synthetic"] = Field("hf", description=(
+        "hf: transformers; vllm; synthetic: scripted ReTool turns at a modelled GPU speed, no model "
+        "(benchmarks of the services around the engine, docs/scale.md)"))
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
-        description="engine settings: HFEngine options for hf, vLLM AsyncEngineArgs fields for vllm "
+        description="engine settings: HFEngine options for hf, vLLM AsyncEngineArgs fields for vllm, "
+        "SyntheticEngineConfig fields for synthetic "
         "(e.g. --set engine_kwargs.tensor_parallel_size=4); unknown keys are a config error",
     )
     sandbox_url: str = "http://127.0.0.1:8080"

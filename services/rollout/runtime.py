@@ -38,6 +38,11 @@ def load_engine(cfg: RolloutConfig) -> tuple[Any, Any]:
         except (TypeError, AttributeError) as exc:  # e.g. engine_kwargs.dtype=float33
             raise ConfigError(f"engine_kwargs: {exc}") from exc
         return engine, engine.tokenizer
+    if cfg.engine == "synthetic":
+        from services.rollout.engine.synthetic import SyntheticEngine
+
+        engine = SyntheticEngine(cfg.model, **cfg.engine_kwargs)
+        return engine, engine.tokenizer
     from services.rollout.engine.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(cfg.model, **cfg.engine_kwargs)

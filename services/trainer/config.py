@@ -78,6 +78,14 @@ class CriticConfig(StrictModel):
 
 class TrainerConfig(StrictModel):
     algorithm: Literal["grpo", "ppo"] = "grpo"
+    step_mode: Literal["train", "null"] = Field("train", description=(
+        "null (benchmarks only, bench/scale.py): the whole feed runs (read, decode, validate, dedupe, "
+        "staleness, ledger, packing into tensors) and a push of null_push_mb travels the real weight "
+        "path, but forward and backward are skipped: the policy never changes. Every metrics line "
+        "carries step_mode=null"))
+    null_push_mb: float | None = Field(None, gt=0, description=(
+        "step_mode=null: push a synthetic weight set of this size (what an engine: synthetic replica "
+        "with engine_kwargs.payload_mb serves) instead of the model's weights"))
     model_path: str | None = None
     batch_prompts: int = Field(32, ge=1, description="prompts (groups) per training step")
     group_size: int = Field(16, ge=1, description="responses per prompt")
@@ -148,6 +156,10 @@ class TrainerConfig(StrictModel):
         if self.overlong.enabled and self.overlong.buffer_len > self.max_response_len:
             raise ValueError(f"overlong.buffer_len ({self.overlong.buffer_len}) exceeds max_response_len "
                              f"({self.max_response_len})")
+        if self.step_mode == "null" and self.algorithm != "grpo":
+            raise ValueError("step_mode=null: only algorithm=grpo (the null step has no critic pass)")
+        if self.null_push_mb is not None and self.step_mode != "null":
+            raise ValueError("null_push_mb is set but step_mode is not null")
         if self.kl.use_kl_loss and self.kl.coef == 0:
             raise ValueError("kl.use_kl_loss is on but kl.coef is 0")
         return self

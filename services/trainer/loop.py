@@ -128,6 +128,7 @@ class MetricsSink:
                 "weights/push_seconds",
                 "perf/step_seconds",
                 "rollout/staleness_mean",
+                "step_mode=null",
             )
         }
         log.info("step %d %s", step, shown)
@@ -153,6 +154,9 @@ class Trainer:
 
         if self.tcfg.model_path is None:
             raise ConfigError("trainer.model_path: a Hugging Face model directory is required")
+        if self.tcfg.step_mode == "null":
+            log.warning("step_mode=null: forward and backward are skipped (benchmark mode, the policy never "
+                        "changes); feed, packing and push run for real")
         torch.manual_seed(self.tcfg.seed)
         if "RANK" not in os.environ:  # not under torchrun: a one-process group on loopback
             from services.common.process import free_port
@@ -391,7 +395,13 @@ class Trainer:
 
         on_device = encode_on_device(self.cfg.weight_encode_where, model_device(self.actor), self.world,
                                      self.cfg.weight_transport)
-        weights = full_state_dict(self.actor, on_device=on_device)  # collective
+        if self.tcfg.step_mode == "null" and self.tcfg.null_push_mb is not None:  # benchmarks: a set payload
+            from services.rollout.engine.synthetic_payload import payload_tensors
+
+            weights = dict(payload_tensors(self.tcfg.null_push_mb, float(version)))
+            on_device = False  # the payload is made on the host
+        else:
+            weights = full_state_dict(self.actor, on_device=on_device)  # collective
         if self.rank != 0 or not self.cfg.rollout_targets:
             return {}
         from services.trainer.push import WeightPusher

@@ -16,6 +16,7 @@ Invariants
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -55,6 +56,7 @@ class StepSettings:
     kl_coef: float = 0.0  # > 0: add coef × KL(π || π_ref) (estimator ``kl_kind``) to the loss
     kl_kind: KLKind = "k3"
     recompute_old_logprobs: bool = True
+    step_mode: str = "train"  # "null": pack every micro-batch, skip forward and backward (null_step)
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> StepSettings:
@@ -66,7 +68,7 @@ class StepSettings:
                    tis_cap=cfg.tis.cap if cfg.tis.enabled else None,
                    mis_cap=cfg.mis.cap if cfg.mis.enabled else None,
                    kl_coef=cfg.kl.coef if cfg.kl.use_kl_loss else 0.0, kl_kind=cfg.kl.kind,
-                   recompute_old_logprobs=cfg.recompute_old_logprobs)
+                   recompute_old_logprobs=cfg.recompute_old_logprobs, step_mode=cfg.step_mode)
 
 
 @dataclass(frozen=True)
@@ -206,12 +208,31 @@ def measure_and_correct(samples: Sequence[TrainSample], settings: StepSettings, 
     return out, metrics
 
 
+def null_step(samples: Sequence[TrainSample], settings: StepSettings, dp: DPInfo = DPInfo()
+              ) -> dict[str, float]:
+    """``step_mode=null``: this rank's micro-batches of every mini-batch are planned and packed into
+    tensors exactly as a training step packs them; no forward, no backward, no optimizer step."""
+    tokens = micro = 0
+    start = time.perf_counter()
+    for _ in range(settings.ppo_epochs):
+        for _, minibatch, _ in _minibatches(samples, settings):
+            for indices, mb in _local_micro_batches(minibatch, settings, dp):
+                if indices:
+                    tokens += int(mb.input_ids.numel())
+                    micro += 1
+    return {"step_mode=null": 1.0, "null/packed_tokens": float(tokens), "null/micro_batches": float(micro),
+            "null/pack_seconds": time.perf_counter() - start}
+
+
 def train_step(actor: nn.Module, optimizer: torch.optim.Optimizer, samples: Sequence[TrainSample],
                settings: StepSettings, dp: DPInfo = DPInfo()) -> dict[str, float]:
-    """Run one full step over ``samples`` (len must be a multiple of mini_batch_size)."""
+    """Run one full step over ``samples`` (len must be a multiple of mini_batch_size); with
+    ``step_mode=null`` only the packing (``null_step``)."""
     if len(samples) == 0 or len(samples) % settings.mini_batch_size:
         raise ValueError(f"got {len(samples)} samples; must be a positive multiple of mini_batch_size="
                          f"{settings.mini_batch_size}")
+    if settings.step_mode == "null":
+        return null_step(samples, settings, dp)
     if settings.recompute_old_logprobs:
         samples = recompute_logprobs(actor, samples, settings, dp)
     samples, mismatch = measure_and_correct(samples, settings, dp)

@@ -2,6 +2,7 @@
 
 - ``engine=hf``: the keyword arguments of ``HFEngine`` (``dtype``, ``max_batch_size``, ``device``,
   ``torch_threads``).
+- ``engine=synthetic``: the fields of ``SyntheticEngineConfig`` (``synthetic_config.py``).
 - ``engine=vllm``: the fields of vLLM's ``AsyncEngineArgs`` (``tensor_parallel_size``, ``dtype``,
   ``max_model_len``, ``gpu_memory_utilization``, ``kv_cache_memory_bytes``, ``enforce_eager``,
   ``enable_prefix_caching``, ``seed``, ...), except the ones the adapter owns (``model``,
@@ -61,6 +62,11 @@ def vllm_engine_keys() -> list[str]:
 
 def check_engine_kwargs(engine: str, kwargs: dict[str, Any]) -> None:
     """``ConfigError`` for keys the chosen engine does not take (all of them named)."""
+    if engine == "synthetic":  # a pydantic model of its own: unknown keys and bad values, named
+        from services.rollout.engine.synthetic_config import SyntheticEngineConfig
+
+        SyntheticEngineConfig.parse(kwargs)
+        return
     allowed = hf_engine_keys() if engine == "hf" else vllm_engine_keys()
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
