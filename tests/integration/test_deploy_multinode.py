@@ -156,7 +156,7 @@ def test_secure_prometheus_config_differs_only_in_the_rollout_jobs_https():
 
 def test_multinode_run_config_lists_remote_replicas_inside_the_published_port_ranges():
     cfg = load_config(RunConfig, file=DEPLOY / "trainer" / "multinode.yaml")
-    assert cfg.trainer.fsdp.backend == "nccl" and cfg.metrics_port == 9100
+    assert cfg.trainer.fsdp.backend == "nccl" and cfg.metrics_port == 9100 and cfg.metrics_host == "0.0.0.0"
     ranges = {}
     for spec in MERGED["services"]["rollout"]["ports"]:
         low, high, container = re.fullmatch(r"\$\{[^}]*\}:(\d+)-(\d+):(\d+)", spec).groups()
