@@ -71,12 +71,21 @@ def _conform(base: str, log: Path, examples: int = EXAMPLES) -> int:
                 run()
             except Unsatisfiable:  # no invalid request exists (no body, a free-text path parameter)
                 assert mode is GenerationMode.NEGATIVE, operation.label
-            except Exception as exc:  # one failure per route and mode, all reported together
-                failures.append(f"{operation.label} ({mode.value}): {exc}"[:3000])
+            except (Exception, BaseExceptionGroup) as exc:  # schemathesis raises a FailureGroup
+                failures.append(f"{operation.label} ({mode.value}): {_text(exc)}"[:3000])
     report = "\n\n".join(failures).replace(TOKEN, "<token>")
     assert not failures, report
     assert TOKEN not in log.read_text(errors="replace")  # the service never logged it
     return sent
+
+
+def _text(exc: BaseException) -> str:
+    """The failure and, for a group, each failure in it (schemathesis filters the Authorization
+    header out of its reproduction commands; the token is masked below as well)."""
+    parts = [str(exc)]
+    if isinstance(exc, BaseExceptionGroup):
+        parts += [_text(sub) for sub in exc.exceptions]
+    return "\n".join(parts)
 
 
 def _refused_without_token(base: str, path: str, body: dict) -> None:
@@ -106,6 +115,22 @@ def reward_service(tmp_path_factory, token_file) -> Iterator[tuple[str, Path]]:
         yield proc.url, log
 
 
+@pytest.fixture(scope="module")
+def rollout_service(tmp_path_factory, token_file, sandbox_url) -> Iterator[tuple[str, Path]]:
+    """The rollout service on a tiny local model (transformers engine), short answers."""
+    from tests.helpers.tiny_model import tiny_model_dir
+
+    work = tmp_path_factory.mktemp("rollout-conformance")
+    cfg = work / "rollout.json"
+    cfg.write_text(json.dumps({"max_n": 2, "max_prompt_tokens": 256,
+                               "agent": {"max_turns": 1, "max_response_tokens": 16}}))
+    model = tiny_model_dir(tmp_path_factory)
+    args = ["rollout", "serve", "--model", str(model), "--sandbox-url", sandbox_url, "--config", str(cfg)]
+    env = {"RETOOL_ROLLOUT__SECURITY__TOKEN__FILE": str(token_file)}
+    with ServiceProcess(args, env=env, log_path=work / "rollout.log", startup_timeout_s=120) as proc:
+        yield proc.url, work / "rollout.log"
+
+
 def test_sandbox_answers_only_what_its_openapi_document_declares(sandbox_service):
     base, log = sandbox_service
     _refused_without_token(base, "/run_code", {"code": "print(1)", "language": "python"})
@@ -120,6 +145,18 @@ def test_reward_answers_only_what_its_openapi_document_declares(reward_service):
     base, log = reward_service
     _refused_without_token(base, "/score", {"response": "\\boxed{1}", "ground_truth": "1"})
     assert _conform(base, log) > 0
+
+
+def test_rollout_and_its_openai_routes_answer_only_what_the_document_declares(rollout_service):
+    base, log = rollout_service
+    _refused_without_token(base, "/v1/rollouts", {"prompt_ids": [1, 2], "n": 1})
+    assert _conform(base, log, examples=8) > 0
+    doc = httpx.get(f"{base}/openapi.json", headers=AUTH, timeout=30).json()
+    chat = doc["paths"]["/v1/chat/completions"]["post"]
+    assert set(chat["responses"]) == {"200", "400", "401", "404", "429", "500", "503"}
+    assert "ErrorResponse" in json.dumps(chat["responses"]["400"])  # OpenAI's shape, for its clients
+    assert set(doc["paths"]["/v1/rollouts"]["post"]["responses"]) == {
+        "200", "400", "401", "422", "429", "502", "503"}
 
 
 def test_every_error_status_is_declared_with_the_one_error_shape(sandbox_service, reward_service):
