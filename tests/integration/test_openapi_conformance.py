@@ -38,7 +38,7 @@ pytestmark = pytest.mark.integration
 TOKEN = "conformance-bearer-5b1e9d"  # a test value; never printed
 AUTH = {"Authorization": f"Bearer {TOKEN}"}  # /openapi.json is behind the door too
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
-EXAMPLES = 8  # per route and generation mode: the whole file stays near 2 minutes on 2 loaded cores
+EXAMPLES = 5  # per route and generation mode: the whole file stays near 2 minutes on 2 loaded cores
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_reward_answers_only_what_its_openapi_document_declares(reward_service):
 def test_rollout_and_its_openai_routes_answer_only_what_the_document_declares(rollout_service):
     base, log = rollout_service
     _refused_without_token(base, "/v1/rollouts", {"prompt_ids": [1, 2], "n": 1})
-    assert _conform(base, log, examples=5) > 0  # each example generates (a tiny model, 16 tokens)
+    assert _conform(base, log, examples=3) > 0  # each example generates (a tiny model, 16 tokens)
     doc = httpx.get(f"{base}/openapi.json", headers=AUTH, timeout=30).json()
     chat = doc["paths"]["/v1/chat/completions"]["post"]
     assert set(chat["responses"]) == {"200", "400", "401", "404", "429", "500", "503"}
