@@ -18,8 +18,8 @@ ALLOWED = {
 
 def _eval_calls(path: Path) -> list[int]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    return [node.lineno for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec")]
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name) and node.func.id in ("eval", "exec")]
 
 
 def test_no_test_evaluates_text_with_eval_or_exec():

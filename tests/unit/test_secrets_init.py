@@ -27,7 +27,8 @@ def test_private_keys_tokens_and_passwords_are_never_world_readable(tmp_path):
     assert modes["ca.key"] == 0o600
     for name in ("redis.key", "rollout.key", "sandbox.key", "reward.key", "trainer.key", "weight-token",
                  "rollout-token", "sandbox-token", "reward-token", "redis-trainer-password",
-                 "redis-rollout-password", "redis-health-password", "redis-users.acl", "grafana-admin-password"):
+                 "redis-rollout-password", "redis-health-password", "redis-users.acl",
+                 "grafana-admin-password"):
         assert modes.pop(name) == 0o640, name
     modes.pop("ca.key")
     # what is left holds no secret: certificates and token digests
