@@ -54,7 +54,9 @@ def add_observability_routes(app: FastAPI, metrics: MetricsRegistry,
     def _metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses={503: {
+        "description": "not ok (status is not \"ok\"): the same body, saying what is wrong",
+        "content": {"application/json": {"schema": {"type": "object", "additionalProperties": True}}}}})
     def _healthz(response: Response) -> dict[str, object]:
         state = health()
         if state.get("status") != "ok":

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.errors import error, field_error, responses
 from services.common.http_auth import protect
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.reward.config import RewardConfig
@@ -71,16 +72,8 @@ class RewardMetrics:
         self.registry.registry.register(_PoolCollector(pool))
 
 
-def _error_422(loc: list[str | int], msg: str) -> JSONResponse:
-    """The same shape as FastAPI's own validation errors: the field is in ``detail[].loc``."""
-    detail = [{"type": "value_error", "loc": loc, "msg": msg}]
-    return JSONResponse(status_code=422, content={"detail": detail})
-
-
-def _error_503(exc: Overloaded) -> JSONResponse:
-    return JSONResponse(
-        status_code=503, content={"detail": str(exc)}, headers={"Retry-After": str(exc.retry_after_s)}
-    )
+# every status /score and /score/batch answer besides 200, declared in /openapi.json
+SCORE_ERRORS = responses(400, 401, 422, 503)
 
 
 def create_app(cfg: RewardConfig) -> FastAPI:
@@ -117,7 +110,7 @@ def create_app(cfg: RewardConfig) -> FastAPI:
             verdicts = await grader.grade_many([(it.response, it.ground_truth) for it in items])
         except Overloaded as exc:
             metrics.overloaded.inc()
-            return _error_503(exc)
+            return error(503, str(exc), retry_after=exc.retry_after_s)
         elapsed = time.perf_counter() - start
         out = []
         for req, verdict in zip(items, verdicts, strict=True):
@@ -144,20 +137,20 @@ def create_app(cfg: RewardConfig) -> FastAPI:
             for field, limit in limits:
                 if len(getattr(item, field)) > limit:
                     loc = ["body", "items", i, field] if batched else ["body", field]
-                    return _error_422(loc, f"{field} longer than max_{field}_chars={limit}")
+                    return field_error(loc, f"{field} longer than max_{field}_chars={limit}")
         return None
 
-    @app.post("/score", response_model=ScoreResult)
+    @app.post("/score", response_model=ScoreResult, responses=SCORE_ERRORS)
     async def score_one(req: ScoreRequest) -> ScoreResult | JSONResponse:
         if (err := too_long([req], batched=False)) is not None:
             return err
         got = await grade([req])
         return got if isinstance(got, JSONResponse) else got[0]
 
-    @app.post("/score/batch", response_model=BatchResponse)
+    @app.post("/score/batch", response_model=BatchResponse, responses=SCORE_ERRORS)
     async def score_batch(req: BatchRequest) -> BatchResponse | JSONResponse:
         if len(req.items) > cfg.max_batch:
-            return _error_422(["body", "items"], f"{len(req.items)} items exceed max_batch={cfg.max_batch}")
+            return field_error(["body", "items"], f"{len(req.items)} items exceed max_batch={cfg.max_batch}")
         if (err := too_long(req.items, batched=True)) is not None:
             return err
         metrics.batch_size.observe(len(req.items))

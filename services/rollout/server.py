@@ -18,6 +18,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from services.common.errors import error as api_error
+from services.common.errors import field_error, responses
 from services.common.http_auth import protect
 from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
@@ -87,10 +89,13 @@ class TimedEngine:
         return value
 
 
-def _field_error(loc: list[Any], msg: str) -> JSONResponse:
-    return JSONResponse(
-        status_code=422, content={"detail": [{"type": "value_error", "loc": loc, "msg": msg}]}
-    )
+# /v1/rollouts: JSON (a Group) or, with stream, server-sent events; and every error it answers
+ROLLOUT_RESPONSES = {
+    200: {"model": Group, "description": "the scored group, or with stream=true server-sent events",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **responses(400, 401, 422, 429, 502, 503, descriptions={
+        502: "the sandbox or reward service failed", 503: "the engine is down: restart the service"}),
+}
 
 
 def create_app(
@@ -195,24 +200,19 @@ def create_app(
 
     app.include_router(openai_router(cfg, timed, tokenizer, metrics, state))
 
-    @app.post("/v1/rollouts", response_model=None)
+    @app.post("/v1/rollouts", response_model=None, responses=ROLLOUT_RESPONSES)
     async def rollouts(req: RolloutRequest) -> JSONResponse | StreamingResponse:
         if (error := engine_error(engine)) is not None:  # e.g. vLLM's engine core died: restart me
             metrics.requests.labels("rejected").inc()
-            return JSONResponse(status_code=503, content={"detail": f"engine unavailable: {error}"})
+            return api_error(503, f"engine unavailable: {error}")
         if req.n > cfg.max_n:
-            return _field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
+            return field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
         if req.ground_truth is not None and scorer is None:
-            return _field_error(["body", "ground_truth"], "this server has no reward service (reward_url)")
+            return field_error(["body", "ground_truth"], "this server has no reward service (reward_url)")
         if state["in_flight"] >= cfg.max_concurrent_requests:
             metrics.requests.labels("rejected").inc()
-            return JSONResponse(
-                status_code=429,
-                content={
-                    "detail": "too many rollout requests in flight "
-                    f"(max_concurrent_requests={cfg.max_concurrent_requests})"
-                },
-            )
+            return api_error(429, "too many rollout requests in flight "
+                             f"(max_concurrent_requests={cfg.max_concurrent_requests})")
         if req.prompt_ids is not None:
             prompt_ids = list(req.prompt_ids)
         else:
@@ -220,10 +220,10 @@ def create_app(
             try:
                 prompt_ids = agent.build_prompt([m.model_dump(exclude_none=True) for m in req.messages])
             except Exception as exc:  # a chat template may reject a message sequence
-                return _field_error(["body", "messages"], f"chat template failed: {exc}")
+                return field_error(["body", "messages"], f"chat template failed: {exc}")
         if len(prompt_ids) > cfg.max_prompt_tokens:
             where = ["body", "prompt_ids" if req.prompt_ids is not None else "messages"]
-            return _field_error(
+            return field_error(
                 where,
                 f"prompt has {len(prompt_ids)} tokens, above the limit "
                 f"max_prompt_tokens={cfg.max_prompt_tokens}",
@@ -257,10 +257,10 @@ def create_app(
                 trajs = await agent.run_group(prompt_ids, req.n, **kwargs)
             except RewardUnavailable as exc:
                 metrics.requests.labels("reward_error").inc()
-                return JSONResponse(status_code=502, content={"detail": str(exc)})
+                return api_error(502, str(exc))
             except SandboxUnavailable as exc:
                 metrics.requests.labels("sandbox_error").inc()
-                return JSONResponse(status_code=502, content={"detail": str(exc)})
+                return api_error(502, str(exc))
             finally:
                 state["in_flight"] -= 1
                 metrics.in_flight.dec()

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common.errors import error, responses
 from services.common.http_auth import protect
 from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
@@ -119,7 +120,8 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
 
     add_observability_routes(app, metrics.registry, health)
 
-    @app.post("/run_code", response_model=RunCodeResponse)
+    @app.post("/run_code", response_model=RunCodeResponse, responses=responses(
+        400, 401, 404, 410, 504, descriptions={404: "unknown session_id", 410: "that session ended"}))
     async def run_code(req: RunCodeRequest, response: Response) -> RunCodeResponse | JSONResponse:
         if req.session_id is not None:
             return await sessions.run_code(req)
@@ -130,7 +132,7 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
             # 504 is the one status verl's client retries (SandboxFusion's client retries any)
             reason = "queue_full" if isinstance(exc, QueueFull) else "queue_timeout"
             metrics.rejections.labels(reason).inc()
-            return JSONResponse({"detail": str(exc)}, status_code=504, headers={"Retry-After": "1"})
+            return error(504, str(exc), retry_after=1)
         metrics.latency.observe(time.perf_counter() - start)
         metrics.requests.labels(resp.status.value).inc()
         if resp.run_result and "[output truncated:" in ((resp.run_result.stdout or "")

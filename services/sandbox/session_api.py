@@ -19,7 +19,9 @@ from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 
+from services.common.errors import error, field_error, responses
 from services.common.metrics import MetricsRegistry
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import POD_NAME, to_response
@@ -40,8 +42,27 @@ from services.sandbox.schemas import (
 from services.sandbox.sessions import SessionEnded, SessionLimit, SessionRegistry, SessionUnknown
 
 
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse({"detail": detail}, status_code=status)
+class SessionInfo(BaseModel):
+    """``GET /sessions/{id}``."""
+
+    session_id: str
+    ttl_s: float
+    memory_limit_MB: int
+    cells: int
+    idle_s: float
+    pids: list[int] = Field(description="host pids: [init, interpreter]")
+
+
+class SessionClosed(BaseModel):
+    """``DELETE /sessions/{id}``: how the session ended (``closed``, or how it had ended before)."""
+
+    session_id: str
+    ended: str
+
+
+# the statuses each route answers besides 200 (and FastAPI's own 422), declared in /openapi.json
+SESSION_ERRORS = (401, 404, 410)
+OPEN_ERRORS = (400, 401, 422, 429, 503)
 
 
 class SessionAPI:
@@ -65,55 +86,59 @@ class SessionAPI:
         registry.on_end = lambda kind: self.ended.labels(kind).inc()
 
     def mount(self, app: FastAPI) -> None:
-        app.post("/sessions", response_model=SessionResponse)(self.open)
-        app.get("/sessions/{session_id}", response_model=None)(self.describe)
-        app.delete("/sessions/{session_id}", response_model=None)(self.close)
-        app.post("/run_jupyter", response_model=RunJupyterResponse)(self.run_jupyter)
+        app.post("/sessions", response_model=SessionResponse, responses=responses(*OPEN_ERRORS))(self.open)
+        app.get("/sessions/{session_id}", response_model=SessionInfo,
+                responses=responses(*SESSION_ERRORS))(self.describe)
+        app.delete("/sessions/{session_id}", response_model=SessionClosed,
+                   responses=responses(401, 404))(self.close)
+        app.post("/run_jupyter", response_model=RunJupyterResponse,
+                 responses=responses(*OPEN_ERRORS, *SESSION_ERRORS))(self.run_jupyter)
 
     async def open(self, req: SessionRequest) -> SessionResponse | JSONResponse:
         try:
             s, notes = await self.registry.open(req.ttl_s, req.memory_limit_MB, req.cpu_cores)
         except SessionLimit as exc:
             self.rejected.inc()
-            return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
+            return error(429, str(exc), retry_after=1)
         except (RuntimeError, OSError, TimeoutError) as exc:
-            return _error(503, f"could not start a session: {exc}")
+            return error(503, f"could not start a session: {exc}")
         self.opened.inc()
         return SessionResponse(session_id=s.id, ttl_s=s.ttl_s, memory_limit_MB=s.memory_mb,
                                message="; ".join([*self.notes(), *notes]))
 
-    async def describe(self, session_id: str) -> dict[str, object] | JSONResponse:
+    async def describe(self, session_id: str) -> SessionInfo | JSONResponse:
         try:
             s = self.registry.get(session_id)
         except SessionEnded as exc:
-            return _error(410, str(exc))
+            return error(410, str(exc))
         except SessionUnknown as exc:
-            return _error(404, str(exc))
-        return {"session_id": s.id, "ttl_s": s.ttl_s, "memory_limit_MB": s.memory_mb, "cells": s.cells,
-                "idle_s": round(time.monotonic() - s.last_used, 3), "pids": s.pids}
+            return error(404, str(exc))
+        return SessionInfo(session_id=s.id, ttl_s=s.ttl_s, memory_limit_MB=s.memory_mb, cells=s.cells,
+                           idle_s=round(time.monotonic() - s.last_used, 3), pids=s.pids)
 
-    async def close(self, session_id: str) -> dict[str, str] | JSONResponse:
+    async def close(self, session_id: str) -> SessionClosed | JSONResponse:
         try:
             reason = await self.registry.close(session_id)
         except SessionUnknown as exc:
-            return _error(404, str(exc))
-        return {"session_id": session_id, "ended": reason}
+            return error(404, str(exc))
+        return SessionClosed(session_id=session_id, ended=reason)
 
     async def run_code(self, req: RunCodeRequest) -> JSONResponse:
         """``/run_code`` with ``session_id``: one cell in that session's live interpreter (a
         ``SessionCellResponse``, sent as is: ``/run_code``'s response model would drop ``display``)."""
         assert req.session_id is not None
         if req.stdin:
-            return _error(422, "stdin is not supported with session_id (a session's cells read no stdin)")
+            return field_error(["body", "stdin"],
+                               "stdin is not supported with session_id (a session's cells read no stdin)")
         limits = resolve_limits(req, self.cfg)
         notes = (*self.notes(), *(n for n in limits.notes if n.startswith("run_timeout")))
         try:
             outcome = await self.registry.run_cell(req.session_id, req.code, limits.timeout_s,
                                                    req.decoded_files(), list(req.fetch_files))
         except SessionEnded as exc:
-            return _error(410, str(exc))
+            return error(410, str(exc))
         except SessionUnknown as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
         resp = cell_response(outcome, notes, req.session_id)
         self.cells.labels(resp.status.value).inc()
         return JSONResponse(resp.model_dump(mode="json"))
@@ -132,9 +157,9 @@ class SessionAPI:
                 s, _ = await self.registry.open(None, req.memory_limit_MB, req.cpu_cores)
             except SessionLimit as exc:
                 self.rejected.inc()
-                return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": "1"})
+                return error(429, str(exc), retry_after=1)
             except (RuntimeError, OSError, TimeoutError) as exc:
-                return _error(503, f"could not start a session: {exc}")
+                return error(503, f"could not start a session: {exc}")
             sid = s.id
         else:
             assert req.session_id is not None
@@ -142,9 +167,9 @@ class SessionAPI:
         try:
             return await self._cells(sid, req, cell_timeout)
         except SessionEnded as exc:
-            return _error(410, str(exc))
+            return error(410, str(exc))
         except SessionUnknown as exc:
-            return _error(404, str(exc))
+            return error(404, str(exc))
         finally:
             if temporary:
                 await self.registry.close(sid)

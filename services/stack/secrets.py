@@ -14,17 +14,26 @@ Writes into one directory (the compose override and the Kubernetes Secrets read 
   passwords) and least privilege on the streams (``redis_acl``);
 - ``grafana-admin-password`` (Kubernetes: the retool-grafana Secret).
 
-Invariants: secrets come from ``secrets.token_urlsafe`` (256 bits); the directory is created 0700
-and ``ca.key`` is 0600; the other files are 0644 *inside* that private directory, so the
-non-root users of the containers that bind-mount one file can read it while no other host user
-can reach it; nothing is printed but the file names; an existing directory is never overwritten
-(``--force`` replaces it).
+Invariants: secrets come from ``secrets.token_urlsafe`` (256 bits); the directory is created 0700;
+every file is created 0600 and then given its mode, so no secret is ever readable by others, even
+for an instant and even once copied out of the directory:
+- ``ca.key``: 0600 (mounted nowhere);
+- the other private keys, tokens, passwords and the ACL (``SECRET_MODE``): 0640, group = the
+  caller's primary group or ``group``. Compose bind-mounts each file with its host owner and mode,
+  so the containers that mount one get that group (``group_add: [${RETOOL_SECRETS_GID}]`` in
+  deploy/docker-compose.multinode.yml); Kubernetes Secret volumes set their own modes
+  (``defaultMode: 0440`` with the pod's ``fsGroup``), whatever the files' modes here;
+- certificates and the ``.sha256`` digests (``PUBLIC_MODE``): 0644, nothing secret in them (the
+  sandbox, root without capabilities in its container, reads its digest through the "other" bits).
+Nothing is printed but the file names; an existing directory is never overwritten (``--force``
+replaces it).
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import secrets
 import shutil
 from pathlib import Path
@@ -35,6 +44,7 @@ from services.stack.redis_acl import acl_file
 SERVER_NAMES = ("redis", "rollout", "sandbox", "reward")
 TOKENS = ("weight-token", "rollout-token", "sandbox-token", "reward-token")
 REDIS_USERS = ("trainer", "rollout", "health")
+SECRET_MODE, PUBLIC_MODE, CA_KEY_MODE = 0o640, 0o644, 0o600
 # compose aliases of each server (the CPU variant answers to the same name as the GPU one)
 ALIASES = {"rollout": ("rollout-cpu",)}
 
@@ -123,15 +133,38 @@ def issue(ca_key, ca_cert, common_name: str, names: list[str], *, client: bool =
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
-def write_pair(out: Path, stem: str, key, cert) -> None:
-    (out / f"{stem}.key").write_bytes(_pem_key(key))
-    (out / f"{stem}.crt").write_bytes(_pem_cert(cert))
+def is_public(name: str) -> bool:
+    """Certificates and token digests: no secret in them."""
+    return name.endswith((".crt", ".sha256"))
+
+
+def mode_of(name: str) -> int:
+    return CA_KEY_MODE if name == "ca.key" else PUBLIC_MODE if is_public(name) else SECRET_MODE
+
+
+def _write(path: Path, data: bytes, group: int | None) -> None:
+    """Create ``path`` 0600 (never wider, not even before its chmod), then give it its mode/group."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+        fh.write(data)
+        if group is not None and path.name != "ca.key":
+            try:
+                os.fchown(fh.fileno(), -1, group)
+            except PermissionError:
+                raise PermissionError(f"cannot give {path} group {group}: run as a member of that group "
+                                      "(or root), or leave --group out") from None
+        os.fchmod(fh.fileno(), mode_of(path.name))
+
+
+def write_pair(out: Path, stem: str, key, cert, group: int | None = None) -> None:
+    _write(out / f"{stem}.key", _pem_key(key), group)
+    _write(out / f"{stem}.crt", _pem_cert(cert), group)
 
 
 def init_secrets(out: Path, *, sans: list[str] | None = None, namespace: str = "retool",
                  prompts_stream: str = "retool:prompts", groups_stream: str = "retool:groups",
-                 force: bool = False) -> list[str]:
-    """Write every secret into ``out``; returns the file names written."""
+                 force: bool = False, group: int | None = None) -> list[str]:
+    """Write every secret into ``out``; returns the file names written. ``group``: the gid the
+    group-readable secrets get (default: the caller's primary group)."""
     if out.exists() and any(out.iterdir()):
         if not force:
             raise FileExistsError(f"{out} exists and is not empty (pass --force to replace it)")
@@ -140,21 +173,19 @@ def init_secrets(out: Path, *, sans: list[str] | None = None, namespace: str = "
     out.chmod(0o700)
     extra = list(sans or [])
     ca_key, ca_cert = make_ca()
-    write_pair(out, "ca", ca_key, ca_cert)
+    write_pair(out, "ca", ca_key, ca_cert, group)
     for service in SERVER_NAMES:
         key, cert = issue(ca_key, ca_cert, service, _names(service, namespace, extra))
-        write_pair(out, service, key, cert)
+        write_pair(out, service, key, cert, group)
     key, cert = issue(ca_key, ca_cert, "trainer", [], client=True)
-    write_pair(out, "trainer", key, cert)
+    write_pair(out, "trainer", key, cert, group)
     for name in TOKENS:
         token = secrets.token_urlsafe(32)
-        (out / name).write_text(token + "\n")
-        (out / f"{name}.sha256").write_text(token_digest(token).hex() + "\n")
+        _write(out / name, (token + "\n").encode(), group)
+        _write(out / f"{name}.sha256", (token_digest(token).hex() + "\n").encode(), group)
     passwords = {user: secrets.token_urlsafe(32) for user in REDIS_USERS}
     for user, password in passwords.items():
-        (out / f"redis-{user}-password").write_text(password + "\n")
-    (out / "redis-users.acl").write_text(acl_file(passwords, prompts_stream, groups_stream))
-    (out / "grafana-admin-password").write_text(secrets.token_urlsafe(18) + "\n")
-    for path in out.iterdir():
-        path.chmod(0o600 if path.name == "ca.key" else 0o644)
+        _write(out / f"redis-{user}-password", (password + "\n").encode(), group)
+    _write(out / "redis-users.acl", acl_file(passwords, prompts_stream, groups_stream).encode(), group)
+    _write(out / "grafana-admin-password", (secrets.token_urlsafe(18) + "\n").encode(), group)
     return sorted(p.name for p in out.iterdir())

@@ -17,6 +17,8 @@ def init(
                                   "(repeatable): each node's private address, a DNS name"),
     namespace: str = typer.Option("retool", help="Kubernetes namespace (for the in-cluster DNS names)"),
     force: bool = typer.Option(False, help="replace an existing, non-empty directory"),
+    group: int | None = typer.Option(None, help="gid the secret files (0640) get; default: your primary "
+                                     "group. Compose gives the containers this group (RETOOL_SECRETS_GID)"),
 ) -> None:
     """Write a private CA, server/client certificates, bearer tokens and the Redis ACL into OUT."""
     try:
@@ -24,8 +26,13 @@ def init(
     except ImportError as exc:  # cryptography is in the dev and deploy extras
         raise typer.BadParameter(f"{exc}: pip install 'retool[deploy]' (the cryptography package)") from None
     try:
-        names = init_secrets(out, sans=san, namespace=namespace, force=force)
+        names = init_secrets(out, sans=san, namespace=namespace, force=force, group=group)
     except FileExistsError as exc:
         raise typer.BadParameter(str(exc), param_hint="--out") from None
+    except PermissionError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--group") from None
     typer.echo(f"wrote {len(names)} files to {out}: {', '.join(names)}")
-    typer.echo("keep ca.key offline; mount the rest as Docker/Kubernetes secrets (docs/multinode.md)")
+    gid = (out / "redis.key").stat().st_gid
+    typer.echo(f"keys, tokens and passwords are 0640, group {gid}: set RETOOL_SECRETS_GID={gid} in "
+               "deploy/.env "
+               "(compose gives the containers that group); keep ca.key offline (docs/multinode.md)")

@@ -15,6 +15,9 @@ Invariants
   checkpoint, deterministically.
 - Loading restores weights, optimizer state (Adam moments, step counts) and this rank's RNG
   states, and returns the saved step, so a resumed run continues exactly where it stopped.
+- The RNG states are JSON (``rng/rank_<r>.json``, ``rng_state``): a checkpoint directory shared by
+  every trainer node is never unpickled from. An older checkpoint's ``rng/rank_<r>.pt`` is read
+  with ``weights_only=True`` only; a payload in it is refused.
 - Works unchanged with and without a process group (single process, tests).
 - Extra ``components`` (e.g. the PPO critic: ``{"critic": (model, optimizer)}``) are saved in the
   same DCP state under their own key and listed in ``meta.json``; loading asks for exactly the
@@ -26,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -36,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from services.trainer import rng_state
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _REPLACED_RE = re.compile(r"^\.tmp-step_(\d{8})\.replaced$")
@@ -108,22 +111,6 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def list_checkpoints(root: str | Path) -> list[CheckpointMeta]:
     """Complete checkpoints under ``root``, oldest first."""
     base = Path(root)
@@ -186,7 +173,7 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module, optimiz
     with _quiet_single_process():
         dcp.save({"model": model_sd, "optim": optim_sd, **_component_states(components)},
                  checkpoint_id=str(tmp / "state"))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    rng_state.save(tmp / "rng" / f"rank_{rank}.json")
     if rank == 0:
         _fault_hold(step)
     _barrier()
@@ -235,10 +222,21 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         set_state_dict(module, optim, model_state_dict=state[name]["model"],
                        optim_state_dict=state[name]["optim"])
     if restore_rng:
-        rng_file = ckpt / "rng" / f"rank_{rank}.pt"
-        if meta.get("world_size") != world or not rng_file.is_file():
-            raise ValueError(f"checkpoint {ckpt} was saved with world size {meta.get('world_size')}, "
-                             f"now {world}: RNG states cannot be restored; pass restore_rng=False to "
-                             "resume anyway")
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        rng_state.restore(_saved_rng(ckpt, meta, rank, world))
     return CheckpointMeta(step=int(meta["step"]), path=ckpt, extra=meta.get("extra", {}))
+
+
+def _saved_rng(ckpt: Path, meta: dict[str, Any], rank: int, world: int) -> rng_state.RngState:
+    """This rank's saved RNG states (JSON; an older checkpoint's ``.pt`` with weights_only only)."""
+    rng_file, legacy = ckpt / "rng" / f"rank_{rank}.json", ckpt / "rng" / f"rank_{rank}.pt"
+    if meta.get("world_size") != world or not (rng_file.is_file() or legacy.is_file()):
+        raise ValueError(f"checkpoint {ckpt} was saved with world size {meta.get('world_size')}, "
+                         f"now {world}: RNG states cannot be restored; pass restore_rng=False to "
+                         "resume anyway")
+    if not rng_file.is_file():
+        return rng_state.load_legacy(legacy)
+    try:
+        return rng_state.load(rng_file)
+    except ValueError as exc:
+        raise ValueError(f"{rng_file}: not a valid RNG state ({str(exc)[:300]}); pass restore_rng=False "
+                         "to resume without it") from None

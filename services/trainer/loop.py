@@ -95,7 +95,7 @@ class MetricsSink:
     """Console + JSONL (+ Prometheus gauges when a port is given), rank 0 only."""
 
     def __init__(self, path: str, port: int | None, max_staleness: int | None = None,
-                 trackers: list[Tracker] | None = None) -> None:
+                 trackers: list[Tracker] | None = None, host: str = "127.0.0.1") -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.trackers = trackers or []
@@ -104,7 +104,7 @@ class MetricsSink:
             from services.common.metrics import MetricsRegistry
             from services.trainer.observability import TrainerExporter
 
-            self.exporter = TrainerExporter(MetricsRegistry("trainer"), port)
+            self.exporter = TrainerExporter(MetricsRegistry("trainer"), port, host)
             if max_staleness is not None:
                 self.exporter.staleness_limit.set(max_staleness)
 
@@ -459,7 +459,8 @@ class Trainer:
         if self.rank == 0:
             await self._setup_streams()
             sink = MetricsSink(self.cfg.metrics_path, self.cfg.metrics_port, self.tcfg.max_staleness,
-                               trackers=open_trackers(self.cfg.tracking, self.cfg.model_dump(mode="json")))
+                               trackers=open_trackers(self.cfg.tracking, self.cfg.model_dump(mode="json")),
+                               host=self.cfg.metrics_host)
         else:
             self.feeder = self.reader = None  # type: ignore[assignment]
         step = self._resume()

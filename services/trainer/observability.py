@@ -43,7 +43,7 @@ def gauge_name(key: str) -> str:
 class TrainerExporter:
     """Metrics of one trainer process, served over HTTP when ``port`` is given."""
 
-    def __init__(self, registry: MetricsRegistry, port: int | None = None, host: str = "0.0.0.0") -> None:
+    def __init__(self, registry: MetricsRegistry, port: int | None = None, host: str = "127.0.0.1") -> None:
         r = self.registry = registry
         self.step = r.gauge("step", "Training steps completed")
         self.last_step = r.gauge("last_step_timestamp_seconds", "Unix time the last training step finished")

@@ -79,6 +79,9 @@ class RunConfig(StrictModel):
     metrics_path: str = "runs/trainer/metrics.jsonl"
     groups_log: str | None = Field(None, description="JSONL of the job ids each step trained on (audit)")
     metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = Field(
+        "127.0.0.1", min_length=1, description="address /metrics and /healthz bind (with metrics_port); "
+        "0.0.0.0 in a container that Prometheus scrapes from another one (deploy/ sets it)")
     group_wait_s: float = Field(600.0, gt=0, description="give up when no group arrives for this long")
     reissue_check_s: float = Field(
         30.0, gt=0, description="when no group arrived for this long, look for admitted jobs that are in "

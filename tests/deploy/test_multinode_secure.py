@@ -134,7 +134,8 @@ def _trainer(base: dict, *, hostname: str, nnodes: int, nproc: int, endpoint: st
 def _compose(tmp: Path, paths: dict[str, Path]) -> Compose:
     env = tmp / "secure.env"
     write_compose_env(env, image=IMAGE, model=paths["model"], data=paths["data"], sandbox_concurrency=4,
-                      extra=(f"RETOOL_SECRETS_DIR={paths['secrets']}", "NODE_ADDR=127.0.0.1"))
+                      extra=(f"RETOOL_SECRETS_DIR={paths['secrets']}", "NODE_ADDR=127.0.0.1",
+                             f"RETOOL_SECRETS_GID={(paths['secrets'] / 'redis.key').stat().st_gid}"))
     project = f"retool-secure-{os.getpid()}"
     merged_from = Compose(project, env, [REPO / "deploy" / "docker-compose.yml",
                                          REPO / "deploy" / "docker-compose.multinode.yml"])

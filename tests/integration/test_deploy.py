@@ -129,6 +129,7 @@ def test_trainer_runs_under_torchrun_with_a_gpu_and_waits_for_healthy_redis_and_
         config = DEPLOY / "trainer" / _defaults(args[args.index("--config") + 1]).removeprefix("/etc/retool/")
         cfg = load_config(RunConfig, file=config)  # the run config the container uses validates
         assert cfg.metrics_port == 9100 and "9100/healthz" in " ".join(svc["healthcheck"]["test"])
+        assert cfg.metrics_host == "0.0.0.0"  # Prometheus scrapes trainer:9100 from its own container
         assert cfg.trainer.checkpoint_dir == "/checkpoints" and cfg.rollout_targets == ["dns:rollout:50051"]
     gpu_args = SERVICES["trainer"]["command"]
     for flag in ("--nnodes=${TRAINER_NNODES", "--node-rank=", "--rdzv-endpoint=${TRAINER_RDZV_ENDPOINT"):

@@ -70,7 +70,8 @@ def _net_names(svc: dict) -> set[str]:
 
 def test_trainer_on_the_host_network_and_only_redis_and_rollout_published():
     services, nets = MERGED["services"], MERGED["networks"]
-    assert set(MULTINODE) == {"services", "networks", "secrets", "x-rollout-secure", "x-trainer-secure"}
+    assert set(MULTINODE) == {"services", "networks", "secrets", "x-rollout-secure", "x-trainer-secure",
+                              "x-secrets-group"}
     assert set(MULTINODE["services"]) == {"redis", "sandbox", "reward", "rollout", "rollout-cpu", "trainer",
                                           "trainer-cpu", "prometheus"}
     for name in ("trainer", "trainer-cpu"):
@@ -145,6 +146,27 @@ def test_every_secret_named_is_mounted_and_written_by_secrets_init(tmp_path):
     assert "./prometheus/prometheus.secure.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
 
 
+def test_every_service_mounting_a_group_readable_secret_runs_in_its_group(tmp_path):
+    """Compose bind-mounts a secret file with its host owner and mode: the 0640 ones (keys, tokens,
+    passwords) are readable in a container only through RETOOL_SECRETS_GID (issue 33, 5d)."""
+    import stat
+
+    out = tmp_path / "secrets"
+    init_secrets(out)
+    services, declared = MERGED["services"], MULTINODE["secrets"]
+    mode = {name: stat.S_IMODE((out / spec["file"].rsplit("/", 1)[1]).stat().st_mode)
+            for name, spec in declared.items()}
+    assert not any(m & 0o004 for name, m in mode.items() if m != 0o644), mode
+    for name, svc in services.items():
+        private = [s for s in svc.get("secrets") or [] if mode[s] != 0o644]
+        if private:
+            assert mode.keys() >= set(private) and all(mode[s] == 0o640 for s in private), (name, private)
+            assert [g.split(":", 1)[0] for g in svc.get("group_add", [])] == ["${RETOOL_SECRETS_GID"], name
+    # the redis image drops to its user with su-exec, which would drop the group: it starts as redis
+    assert services["redis"]["user"] == "redis"
+    assert not [s for s in services["sandbox"]["secrets"] if mode[s] != 0o644]  # only its digest
+
+
 def test_secure_prometheus_config_differs_only_in_the_rollout_jobs_https():
     plain = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     secure = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.secure.yml").read_text())
@@ -156,7 +178,7 @@ def test_secure_prometheus_config_differs_only_in_the_rollout_jobs_https():
 
 def test_multinode_run_config_lists_remote_replicas_inside_the_published_port_ranges():
     cfg = load_config(RunConfig, file=DEPLOY / "trainer" / "multinode.yaml")
-    assert cfg.trainer.fsdp.backend == "nccl" and cfg.metrics_port == 9100
+    assert cfg.trainer.fsdp.backend == "nccl" and cfg.metrics_port == 9100 and cfg.metrics_host == "0.0.0.0"
     ranges = {}
     for spec in MERGED["services"]["rollout"]["ports"]:
         low, high, container = re.fullmatch(r"\$\{[^}]*\}:(\d+)-(\d+):(\d+)", spec).groups()

@@ -305,6 +305,7 @@ def test_trainer_job_rollout_discovery_and_redis_storage(overlay: str) -> None:
     assert cfg.rollout_targets == ["dns:rollout:50051"] and cfg.rollout_urls == ["dns:https://rollout:8000"]
     assert cfg.trainer.fsdp.backend == ("nccl" if overlay == "gpu" else "gloo")
     assert cfg.trainer.checkpoint_dir == "/checkpoints" and cfg.metrics_port == 9100
+    assert cfg.metrics_host == "0.0.0.0"  # scraped and probed at the pod IP
     redis = _get(overlay, "StatefulSet", "redis")["spec"]
     assert redis["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     assert "--appendonly" in _container(overlay, "redis")["args"]

@@ -5,6 +5,7 @@ After each hostile run the service must keep answering (``_assert_service_ok``).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -79,11 +80,12 @@ def test_writes_outside_the_workdir_are_invisible_to_host_and_later_runs(sandbox
         "        open(p, 'w').write('x'); ok.append(p)",
         "    except OSError:",
         "        pass",
-        "print(ok)",
+        "import json",
+        "print(json.dumps(ok))",
     ])
     r = run(sandbox_url, code)
     assert r["status"] == "Success"
-    written = eval(stdout_of(r))  # noqa: S307 - our own printed list
+    written = json.loads(stdout_of(r))
     assert f"/etc/{tag}" not in written and f"/usr/{tag}" not in written
     for path in targets:
         assert not os.path.exists(path), path
@@ -112,13 +114,13 @@ print("KEYS", sorted(os.environ))
 
 
 def test_only_the_runs_own_processes_are_visible(sandbox, sandbox_url, run):
-    code = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), os.getpid(),\n"
-            "      os.path.exists('/proc/1'), sorted(os.listdir('/proc'))[-2:])")
-    pids, own, init_visible, rest = stdout_of(run(sandbox_url, code)).split(" ", 3)
+    code = ("import json, os\nprint(json.dumps([sorted(int(p) for p in os.listdir('/proc') if p.isdigit()),\n"
+            "      os.getpid(), os.path.exists('/proc/1'), sorted(os.listdir('/proc'))[-2:]]))")
+    pids, own, init_visible, rest = json.loads(stdout_of(run(sandbox_url, code)))
     # pid 1 of the namespace (its holder, root) is hidden from the run (hidepid); the run is
     # pid 2, so its own signals act; /proc holds nothing but pid directories (subset=pid)
-    assert eval(pids) == [2] and own == "2" and init_visible == "False"  # noqa: S307
-    assert eval(rest) == ["self", "thread-self"]  # noqa: S307
+    assert pids == [2] and own == 2 and init_visible is False
+    assert rest == ["self", "thread-self"]
 
 
 def test_cannot_signal_or_kill_the_service(sandbox, sandbox_url, run):
@@ -231,9 +233,9 @@ def test_endless_output_until_timeout_does_not_hurt_the_service(sandbox_url):
 
 
 def test_no_descriptor_of_the_service_is_inherited(sandbox_url):
-    code = "import os\nprint(sorted(int(f) for f in os.listdir('/proc/self/fd')))"
+    code = "import json, os\nprint(json.dumps(sorted(int(f) for f in os.listdir('/proc/self/fd'))))"
     out = stdout_of(run_code(sandbox_url, code))
-    assert eval(out) == [0, 1, 2, 3]  # noqa: S307 - 3 is the listdir handle itself
+    assert json.loads(out) == [0, 1, 2, 3]  # 3 is the listdir handle itself
 
 
 def test_memory_limit_covers_all_processes_of_a_run(sandbox, sandbox_url):

@@ -29,6 +29,25 @@ def _sample(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def test_the_metrics_server_binds_loopback_unless_the_run_config_says_otherwise(tmp_path):
+    """Like every other service: 127.0.0.1 by default, ``metrics_host`` to open it (issue 33, 5b)."""
+    from services.trainer.loop import MetricsSink
+    from services.trainer.run_config import RunConfig
+
+    assert RunConfig(dataset="rl.parquet").metrics_host == "127.0.0.1"
+    sink = MetricsSink(str(tmp_path / "m.jsonl"), free_port())
+    try:
+        assert sink.exporter._server.server_address[0] == "127.0.0.1"
+    finally:
+        sink.exporter.close()
+    opened = RunConfig(dataset="rl.parquet", metrics_host="0.0.0.0")
+    sink = MetricsSink(str(tmp_path / "m.jsonl"), free_port(), host=opened.metrics_host)
+    try:
+        assert sink.exporter._server.server_address[0] == "0.0.0.0"
+    finally:
+        sink.exporter.close()
+
+
 def test_fixed_series_exist_before_the_first_step_and_steps_update_them(exporter):
     base = f"http://127.0.0.1:{exporter.port}"
     text = httpx.get(f"{base}/metrics").text

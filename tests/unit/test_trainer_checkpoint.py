@@ -85,7 +85,7 @@ def test_the_fault_hold_leaves_a_half_written_checkpoint_that_is_never_resumed(t
     saver = threading.Thread(target=save_checkpoint, args=(tmp_path / "ck", 4, actor, opt))
     saver.start()
     deadline = time.monotonic() + 60
-    while not (tmp_path / "ck" / ".tmp-step_00000004" / "rng" / "rank_0.pt").exists():
+    while not (tmp_path / "ck" / ".tmp-step_00000004" / "rng" / "rank_0.json").exists():
         assert time.monotonic() < deadline, "the save never reached its hold"
         time.sleep(0.05)
     # held: the state is written, meta.json is not, and the half-written save is not a checkpoint
@@ -94,3 +94,62 @@ def test_the_fault_hold_leaves_a_half_written_checkpoint_that_is_never_resumed(t
     hold.unlink()
     saver.join(60)
     assert not saver.is_alive() and latest_checkpoint(tmp_path / "ck").step == 4
+
+
+class _Payload:
+    """What an attacker with write access to the shared checkpoint volume plants: unpickling it
+    runs ``marker.write_text`` (any code could run there)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.write_text, (pathlib.Path(self.marker), "pwned"))
+
+
+def _rng_files(ckpt) -> list[str]:
+    return sorted(p.name for p in (ckpt / "rng").iterdir())
+
+
+def test_rng_states_are_json_and_a_planted_pickle_is_refused_without_running(tmp_path):
+    import json
+
+    actor, opt = _fresh()
+    ckpt = save_checkpoint(tmp_path, 3, actor, opt)
+    assert _rng_files(ckpt) == ["rank_0.json"]
+    json.loads((ckpt / "rng" / "rank_0.json").read_text())  # data, not a pickle
+    # an older checkpoint's name, with a payload in it: read with weights_only=True, refused
+    (ckpt / "rng" / "rank_0.json").unlink()
+    marker = tmp_path / "marker"
+    torch.save({"torch": torch.get_rng_state(), "numpy": _Payload(marker), "python": None},
+               ckpt / "rng" / "rank_0.pt")
+    with pytest.raises(ValueError, match=r"rank_0\.pt.*refusing to unpickle"):
+        load_checkpoint(ckpt, *_fresh())
+    assert not marker.exists()
+    # a payload where the JSON belongs is not JSON: refused, nothing run
+    (ckpt / "rng" / "rank_0.pt").rename(ckpt / "rng" / "rank_0.json")
+    with pytest.raises(ValueError, match=r"rank_0\.json: not a valid RNG state"):
+        load_checkpoint(ckpt, *_fresh())
+    assert not marker.exists()
+    assert load_checkpoint(ckpt, *_fresh(), restore_rng=False).step == 3  # the way past, named
+
+
+def test_an_older_checkpoints_pickled_rng_state_is_still_restored(tmp_path):
+    """Checkpoints written before the JSON format keep resuming exactly (numbers, arrays, tensors
+    only: what ``weights_only=True`` with numpy's array reconstruction reads)."""
+    import random
+
+    import numpy as np
+
+    actor, opt = _fresh()
+    ckpt = save_checkpoint(tmp_path, 5, actor, opt)
+    (ckpt / "rng" / "rank_0.json").unlink()
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               ckpt / "rng" / "rank_0.pt")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)
+    load_checkpoint(ckpt, *_fresh())
+    torch.testing.assert_close(torch.rand(3), expected[0])
+    assert np.random.rand(3).tolist() == expected[1].tolist() and random.random() == expected[2]

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from services.common.errors import ApiError
 from services.common.logging import get_logger
 from services.rollout.agent.loop import Tokenizer
 from services.rollout.config import RolloutConfig
@@ -29,10 +30,38 @@ from services.rollout.metrics import RolloutMetrics
 from services.rollout.openai_api import completion
 from services.rollout.openai_api.completion import GenerationAborted, TurnPlan
 from services.rollout.openai_api.render import ChatRenderer, RenderError
-from services.rollout.openai_api.responses import ErrorBody, ErrorResponse, ModelCard, ModelList
+from services.rollout.openai_api.responses import (
+    ChatCompletion,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from services.rollout.openai_api.schemas import ChatCompletionRequest
 
 log = get_logger("rollout.openai")
+
+# Declared in /openapi.json: every status these routes answer. OpenAI's error shape (what its clients
+# read), except the 401 of the service's bearer-token door, which answers every route alike.
+_DOOR = {401: {"model": ApiError, "description": "missing or wrong bearer token (when the service has one)"}}
+_CHAT_ERRORS = {
+    400: "a bad request: param names the field",
+    404: "no such model",
+    429: "too many requests in flight",
+    500: "generation failed",
+    503: "generation aborted (the engine stopped)",
+}
+CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": ChatCompletion, "description": "a chat completion, or with stream=true server-sent "
+          "events of chat.completion.chunk objects",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **_DOOR, **{s: {"model": ErrorResponse, "description": d} for s, d in _CHAT_ERRORS.items()},
+}
+# the body is parsed by the route itself (OpenAI's 400 shape, not FastAPI's 422): declared here,
+# its nested models referenced inside this very schema (a JSON pointer from the document's root)
+_BODY_AT = "#/paths/~1v1~1chat~1completions/post/requestBody/content/application~1json/schema/$defs/{model}"
+CHAT_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": ChatCompletionRequest.model_json_schema(ref_template=_BODY_AT)}}}}
 
 
 class OpenAIError(Exception):
@@ -68,17 +97,19 @@ def openai_router(
         return ModelCard(id=served, created=started, root=cfg.model,
                          max_model_len=ctx if isinstance(ctx, int) else None, policy_version=engine.version)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", response_model=ModelList, responses=_DOOR)
     async def models() -> JSONResponse:
         return JSONResponse(ModelList(data=[card()]).model_dump(mode="json"))
 
-    @router.get("/v1/models/{model:path}")
+    @router.get("/v1/models/{model:path}", response_model=ModelCard, responses={
+        **_DOOR, 404: {"model": ErrorResponse, "description": "no such model"}})
     async def model(model: str) -> JSONResponse:
         if model != served:
             return _no_such_model(model).response()
         return JSONResponse(card().model_dump(mode="json"))
 
-    @router.post("/v1/chat/completions", response_model=None)
+    @router.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES,
+                 openapi_extra=CHAT_BODY)
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
         try:
             req = await _parse(request)
