@@ -1,4 +1,15 @@
-"""Shared fixtures: a private Redis server and the sandbox service as real processes."""
+"""Shared fixtures (a private Redis server and the sandbox service as real processes), the
+per-test time budget, and the tests that must run serially.
+
+Per-test budget (tests/helpers/budget_plugin.py): a test whose setup + call + teardown takes
+longer than 300 s fails, unless it carries ``@pytest.mark.slow(reason=..., budget_s=...)``,
+which states why and the budget it gets instead (issue #32).
+
+Serial tests: ``make test`` runs the suite in two invocations, ``-m "not serial" -n 2`` and
+``-m serial``. The modules in ``SERIAL_MODULES`` hold something the whole machine shares (the
+Docker engine, the host's cgroups, all its cores for a timed or CPU-bound run), so they run
+alone; ``serial`` is added to their tests here, in one place, with the reason.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +20,39 @@ import pytest
 from services.sandbox.launcher import SandboxProcess
 from tests.helpers.redis_server import RedisServer
 
+pytest_plugins = ["tests.helpers.budget_plugin"]
 
+# module path (relative to tests/) -> why its tests run alone, not beside other tests under xdist
+SERIAL_MODULES: dict[str, str] = {
+    "deploy/test_chaos.py": "the Docker engine, and compose ports it publishes",
+    "deploy/test_compose_smoke.py": "the Docker engine, and compose ports it publishes",
+    "deploy/test_multinode_secure.py": "the Docker engine, and compose ports it publishes",
+    "e2e/test_demo.py": "CPU-bound training on every core; its assertions hold margins measured alone",
+    "e2e/test_demo_recovery.py": "CPU-bound training on every core; its margins were measured alone",
+    "e2e/test_rl_recipe.py": "CPU-bound training on every core",
+    "e2e/test_rl_pipeline.py": "CPU-bound training on every core, and a crash/resume timed against it",
+    "e2e/test_rl_pipeline_vllm.py": "CPU-bound vLLM and training on every core",
+    "integration/test_gpu_check.py": "times every section of the GPU check on all cores",
+    "integration/test_sandbox_escape.py": "reads the host's cgroups; CPU-quota runs spin the cores",
+    "integration/test_sandbox_isolation.py": "memory and CPU limits against the host's cgroups",
+    "integration/test_sandbox_pid1.py": "makes cgroups of its own under /sys/fs/cgroup",
+}
+
+
+def _module_key(item: pytest.Item) -> str:
+    """The test's module path relative to tests/, as SERIAL_MODULES spells it."""
+    tests = item.config.rootpath / "tests"
+    return item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects on ``serial``
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests need CUDA: on a machine without it they are skipped and say so (CPU CI also
-    deselects them with ``-m "not gpu"``)."""
+    """``serial`` on the tests of ``SERIAL_MODULES``. ``gpu`` tests need CUDA: on a machine
+    without it they are skipped and say so (CPU CI also deselects them with ``-m "not gpu"``)."""
+    for item in items:
+        reason = SERIAL_MODULES.get(_module_key(item))
+        if reason is not None:
+            item.add_marker(pytest.mark.serial(reason=reason))
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
