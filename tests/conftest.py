@@ -6,9 +6,10 @@ longer than 300 s fails, unless it carries ``@pytest.mark.slow(reason=..., budge
 which states why and the budget it gets instead (issue #32).
 
 Serial tests: ``make test`` runs the suite in two invocations, ``-m "not serial" -n 2`` and
-``-m serial``. The modules in ``SERIAL_MODULES`` hold something the whole machine shares (the
-Docker engine, the host's cgroups, all its cores for a timed or CPU-bound run), so they run
-alone; ``serial`` is added to their tests here, in one place, with the reason.
+``-m serial``; every test runs in exactly one. ``serial`` is added here, in one place, with the
+reason: to the tiers xdist did not speed up or must not share (``SERIAL_TIERS``) and to the
+modules that hold something the whole machine shares (``SERIAL_MODULES``: the Docker engine,
+the host's cgroups, all its cores for a timed or CPU-bound run).
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from services.sandbox.launcher import SandboxProcess
 from tests.helpers.redis_server import RedisServer
 
 pytest_plugins = ["tests.helpers.budget_plugin"]
+
+# tier (directory under tests/) -> why all its tests run without xdist
+SERIAL_TIERS: dict[str, str] = {
+    "integration": "measured slower under -n 2 on 2 cores: each worker starts its own sandbox, "
+                   "and the services the tests start are CPU-bound (docs/validation.md#ci-time)",
+    "e2e": "CPU-bound training on every core",
+    "deploy": "the Docker engine, and compose ports it publishes",
+}
 
 # module path (relative to tests/) -> why its tests run alone, not beside other tests under xdist
 SERIAL_MODULES: dict[str, str] = {
@@ -51,10 +60,12 @@ def _module_key(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects on ``serial``
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``serial`` on the tests of ``SERIAL_MODULES``. ``gpu`` tests need CUDA: on a machine
-    without it they are skipped and say so (CPU CI also deselects them with ``-m "not gpu"``)."""
+    """``serial`` on the tests of ``SERIAL_MODULES`` and ``SERIAL_TIERS``. ``gpu`` tests need
+    CUDA: on a machine without it they are skipped and say so (CPU CI also deselects them with
+    ``-m "not gpu"``)."""
     for item in items:
-        reason = SERIAL_MODULES.get(_module_key(item))
+        key = _module_key(item)
+        reason = SERIAL_MODULES.get(key) or SERIAL_TIERS.get(key.split("/", 1)[0])
         if reason is not None:
             item.add_marker(pytest.mark.serial(reason=reason))
     gpu = [item for item in items if item.get_closest_marker("gpu")]
