@@ -26,7 +26,7 @@ from services.common.process import free_port, wait_http_healthy
 REPO = Path(__file__).resolve().parents[1]
 
 CASES: dict[str, list[str]] = {
-    "--help": ["--help"],
+    "help": ["--help"],
     "reward serve": ["reward", "serve"],
     "sandbox serve": ["sandbox", "serve", "--set", "zygotes=1", "--set", "light_zygotes=1"],
 }
