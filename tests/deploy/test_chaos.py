@@ -36,6 +36,8 @@ FINAL_EXTRA_STEPS = 4
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.slow(reason="builds the image if no other deploy test did, then a compose stack "
+                  "trained under six faults", budget_s=3000)
 def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path_factory):
     require_engine()
     phases = Phases()

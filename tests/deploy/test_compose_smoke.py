@@ -248,6 +248,8 @@ def _prometheus(c: Compose, path: str) -> dict:
 
 
 @pytest.mark.timeout(3000)
+@pytest.mark.slow(reason="builds the image if no other deploy test did, then the whole CPU "
+                  "compose profile trains", budget_s=2400)
 def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
     require_engine()
     phases = Phases()

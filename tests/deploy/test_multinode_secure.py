@@ -234,6 +234,7 @@ def _check_doors(out: dict) -> None:
 
 
 @pytest.mark.timeout(2400)
+@pytest.mark.slow(reason="a TLS multinode compose stack with a two-node trainer, under Docker", budget_s=1800)
 def test_secure_multinode_deployment_with_a_two_node_trainer(tmp_path_factory):
     require_engine()
     phases = Phases()

@@ -22,7 +22,8 @@ import pytest
 from services.demo.pipeline import QUICK
 from tests.helpers.hide_binary import path_without
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660),
+              pytest.mark.slow(reason="the quick demo: SFT then GRPO on CPU, bounded at 600 s", budget_s=640)]
 
 
 def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:

@@ -33,7 +33,8 @@ from tests.helpers import agent_fixtures
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.scripted_model import branching_model_dir
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900),
+              pytest.mark.slow(reason="real RL recipes for tens of steps on CPU", budget_s=850)]
 reward_url = agent_fixtures.reward_url
 TOKEN = "e2e-recipe-token-9a4e"
 TINY_CPU = Path(__file__).resolve().parents[2] / "deploy" / "trainer" / "tiny-cpu.yaml"

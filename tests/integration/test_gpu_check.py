@@ -34,6 +34,8 @@ def _check(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[in
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.slow(reason="every section of the GPU check in CPU mode, under its 1200 s deadline",
+                  budget_s=1400)
 def test_cpu_mode_runs_every_section_and_reports_sane_numbers(tmp_path: Path) -> None:
     rc, report, log = _check(tmp_path, "--deadline-s", "1200")
     assert [s.name for s in report.sections] == list(SECTIONS)
