@@ -22,7 +22,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.chat.format import ChatFormat, build_prompt, hermes_tool_schema, tool_result_text
+from services.chat.format import (  # noqa: F401 - tool_result_text re-exported (tests/unit/test_sft_render.py)
+    ChatFormat,
+    build_prompt,
+    hermes_tool_schema,
+    tool_result_ids,
+    tool_result_text,
+)
 
 Render = Literal["inline", "chat_template"]
 
@@ -90,7 +96,7 @@ def render_inline(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFor
         elif role == "tool":
             if last_role != "assistant":
                 raise RenderError("a tool message must follow an assistant message")
-            piece = list(tokenizer.encode(tool_result_text(_content(m), agent), add_special_tokens=False))
+            piece = tool_result_ids(tokenizer, _content(m), agent)
             ids += piece
             mask += [0] * len(piece)
         else:
