@@ -41,12 +41,15 @@ _CODE = (
 )
 _LATEX = (
     r"$\frac{a}{b} + \sqrt{x^2 + y^2} = \boxed{\dfrac{3}{4}}$",
-    r"\begin{align} \int_0^\infty e^{-x^2}\,dx &= \frac{\sqrt{\pi}}{2} \\ \sum_{k=1}^{n} k &= \binom{n+1}{2} \end{align}",
+    r"\begin{align} \int_0^\infty e^{-x^2}\,dx &= \frac{\sqrt{\pi}}{2} \\ "
+    r"\sum_{k=1}^{n} k &= \binom{n+1}{2} \end{align}",
     r"Let $f:\mathbb{R}\to\mathbb{R}$, $\lim_{x\to 0}\frac{\sin x}{x}=1$, so \(\alpha\le\beta\).",
 )
-_CJK = ("你好，世界！这是一个测试。", "数学题：求 $x$ 的值。答案是 42。", "日本語のテキスト、カタカナとひらがな。",
-        "한국어 문장입니다.", "繁體中文與簡體中文混合：計算機、计算机")
-_EMOJI = ("😀", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "🇫🇷", "❤️", "✅", "🤖💬", "e\u0301", "A\u030a", "ﬁ", "\u200b", "\ufeff")
+_CJK = ("你好，世界！这是一个测试。", "数学题：求 $x$ 的值。答案是 42。",
+        "日本語のテキスト、カタカナとひらがな。", "한국어 문장입니다.",
+        "繁體中文與簡體中文混合：計算機、计算机")
+_EMOJI = ("😀", "👍🏽", "👨‍👩‍👧‍👦", "🏳️‍🌈", "🇫🇷", "❤️", "✅", "🤖💬",
+          "e\u0301", "A\u030a", "ﬁ", "\u200b", "\ufeff")
 _SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
