@@ -2,10 +2,12 @@
 step with long responses, at several lengths in one run so their ratios show the scaling.
 
 - rollout: the agent loop (services/rollout/agent/loop.py) with the real tokenizer, 8 tool turns
-  whose generated tokens are replayed by the scripted engine of the agent tests (no model: this
-  times *our* per-token work: stop matching, chunk bookkeeping, tool-result tokenization, prompt
-  re-assembly per turn), interpreter outputs of ~60 tokens; response lengths 2k..16k tokens.
-  Quadratic work would show as time/token growing with length.
+  whose tokens are replayed one at a time by ``Replay`` below, which checks stops with the engines'
+  own ``StopMatcher`` after every token (no model: this times *our* per-token work: stop matching,
+  chunk bookkeeping, tool-result tokenization, prompt re-assembly per turn), interpreter outputs of
+  ~60 tokens; response lengths 2k..16k tokens. Quadratic work shows as time/token growing with
+  length. (The agent tests' ScriptedEngine decodes the whole turn at every token, quadratic in the
+  turn: it is not used here.)
 - trainer: one ``train_step`` (fwd + bwd + AdamW) of the ``mini`` Qwen2 model with untied 151,936-row
   embeddings on one sample of prompt 256 + response L (loss mask 1 on the response), packed,
   log-probs over the full vocabulary in chunks (``Actor(chunk_tokens)``). Peak RSS is the process's
@@ -33,6 +35,31 @@ def rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+class Replay:
+    """Engine protocol: each call streams the next scripted turn, one token per chunk, ending at the
+    first stop string (StopMatcher, as the HF engine) or EOS."""
+
+    def __init__(self, tok: Any, turns: list[list[int]]) -> None:
+        self.tokenizer, self.turns, self.version = tok, list(turns), 0
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        from services.rollout.engine.base import GenerationChunk
+        from services.rollout.engine.stops import StopMatcher
+
+        matcher = StopMatcher(self.tokenizer, list(params.stop))
+        out: list[int] = []
+        for tid in self.turns.pop(0):
+            out.append(tid)
+            stop = matcher.match(out)
+            eos = tid == self.tokenizer.eos_token_id
+            done = stop is not None or eos or len(out) >= params.max_tokens
+            reason = "stop" if stop else "eos" if eos else "length" if done else None
+            yield GenerationChunk(index=0, token_ids=[tid], logprobs=[-1.0], versions=[0], finished=done,
+                                  finish_reason=reason, stop_str=stop)
+            if done:
+                return
+
+
 class FixedOutput:
     async def run(self, code: str) -> Any:
         from services.rollout.agent.sandbox import ToolResult
@@ -44,14 +71,13 @@ class FixedOutput:
 async def rollout_once(tok: Any, response_tokens: int, turns: int) -> dict[str, float]:
     from services.rollout.agent.loop import AgentLoop
     from services.rollout.config import AgentConfig
-    from tests.helpers.agent_fixtures import ScriptedEngine
 
     per_turn = response_tokens // (turns + 1) - 80
     body = tok.encode("Let x = 6*7 and 数学 😀 $\\frac{a}{b}$; " * 2000, add_special_tokens=False)[:per_turn]
     close = tok.encode("\n```\n</code>\n\n", add_special_tokens=False)
     script: list[Any] = [body + close for _ in range(turns)] + [body + [tok.eos_token_id]]
     cfg = AgentConfig(max_turns=turns, max_response_tokens=response_tokens + 4096)
-    loop = AgentLoop(ScriptedEngine(tok, script, chunk_size=1), tok, FixedOutput(), cfg)
+    loop = AgentLoop(Replay(tok, script), tok, FixedOutput(), cfg)  # type: ignore[arg-type]
     prompt = loop.build_prompt([{"role": "user", "content": "Compute with code."}])
     t0 = time.perf_counter()
     traj = await loop.run_one(prompt)

@@ -34,7 +34,8 @@ from services.trainer.sft.render import render
 from tests.helpers.engines import checkpoint_tensors, load_reference, make_engine, teacher_forced_logprobs
 from tests.helpers.qwen import qwen_scripted_dir
 
-pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+# vLLM with a 151,665-token tokenizer starts slowly on busy CPUs (its renderer deep-copies the tokenizer)
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(1500)]
 
 ATOL = 1e-4
 MESSAGES = [{"role": "user", "content": "Compute 6*7 with code."}]
