@@ -305,3 +305,36 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_turn(tok, 
     other.chat_template = rewriting
     with pytest.raises(TemplateNotAppendOnly, match=r"at message 2 \(tool, turn 1\)"):
         check_append_only(other, ChatFormat(), turns=8)
+
+
+# -- SFT: the seed's ReTool-SFT format with the real template --------------------------------------
+
+TRACE = ("Let me compute 数学 first.\n<code>\n```python\nprint(sum(range(10)))\n```\n</code>\n"
+         "<interpreter>\n45\n</interpreter>\nNow check 😀:\n<code>\n```python\nprint(45 * 2)\n```\n</code>\n"
+         "<interpreter>\n90\n</interpreter>\nSo the answer is <answer>\\boxed{90}</answer>")
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("code", "inline"), ("hermes", "inline"),
+                                           ("code", "chat_template"), ("hermes", "chat_template")])
+def test_retool_sft_traces_render_with_assistant_only_masks(tok, fmt, mode):
+    from services.data.retool_sft import to_messages
+    from services.trainer.sft.render import assistant_text
+
+    messages = to_messages("What is twice the sum of 0..9?", TRACE, fmt)  # type: ignore[arg-type]
+    agent = ChatFormat(tool_format=fmt)
+    out = render(messages, tok, agent, mode)  # type: ignore[arg-type]
+    spans, start = [], None
+    for i, m in enumerate([*out.loss_mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(tok.decode(out.input_ids[start:i]))
+            start = None
+    said = [assistant_text(m) for m in messages if m["role"] == "assistant"]
+    if mode == "inline":  # each assistant turn's text, the last with EOS; nothing else
+        assert spans == [*said[:-1], said[-1] + "<|im_end|>"]
+    else:  # the template's rendering of each assistant turn, through its <|im_end|>
+        assert [s.removesuffix("<|im_end|>") for s in spans] == said
+        assert all(s.endswith("<|im_end|>") for s in spans)
+    unmasked = tok.decode([t for t, m in zip(out.input_ids, out.loss_mask, strict=True) if not m])
+    assert "45" in unmasked and "90" in unmasked and SYSTEM in unmasked  # results and prompt: mask 0
