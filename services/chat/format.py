@@ -5,7 +5,11 @@ Invariants:
   hermes tool schema passed as ``tools`` in hermes format), then encoded without extra special
   tokens: ``build_prompt`` is the only place this happens;
 - a tool result is ``template`` with ``{output}`` replaced by the output cut in the middle to
-  ``max_tool_output_chars`` (``truncate_middle``): ``tool_result_text`` is the only place;
+  ``max_tool_output_chars`` (``truncate_middle``), lone surrogates replaced by U+FFFD (a tokenizer
+  cannot encode them): ``tool_result_text`` is the only place; ``tool_result_ids`` its token ids,
+  the only place they are made: special-token text printed by the code (``<|im_end|>``,
+  ``<|im_start|>system``) is encoded as plain text, never as the special token, so hostile output
+  cannot forge a turn end or a chat header; special tokens the template itself writes stay special;
 - ``ChatFormat`` holds only what changes tokens; the rollout's ``AgentConfig`` extends it with how
   the loop runs (turns, budgets, retries), so SFT and rollout cannot disagree on the layout.
 """
@@ -86,9 +90,34 @@ def truncate_middle(text: str, max_chars: int) -> str:
     return text[:head] + marker + text[len(text) - tail :]
 
 
+def _shown_output(output: str, fmt: ChatFormat) -> str:
+    cut = truncate_middle(output, fmt.max_tool_output_chars)
+    return cut.encode("utf-8", "surrogatepass").decode("utf-8", "replace")  # lone surrogates -> U+FFFD
+
+
 def tool_result_text(output: str, fmt: ChatFormat) -> str:
     """Exactly the text appended after a tool call with this output."""
-    return fmt.template.replace("{output}", truncate_middle(output, fmt.max_tool_output_chars))
+    return fmt.template.replace("{output}", _shown_output(output, fmt))
+
+
+def tool_result_ids(tokenizer: Any, output: str, fmt: ChatFormat) -> list[int]:
+    """The token ids appended after a tool call (decoding them gives ``tool_result_text``).
+
+    One encode of the whole text, special tokens split, when the template holds no special token
+    (the defaults); otherwise the template's pieces keep their special tokens and only the output
+    is split.
+    """
+    specials = [t for t in getattr(tokenizer, "all_special_tokens", ()) if t and t in fmt.template]
+    if not specials:
+        return list(tokenizer.encode(tool_result_text(output, fmt), add_special_tokens=False,
+                                     split_special_tokens=True))
+    shown = list(tokenizer.encode(_shown_output(output, fmt), add_special_tokens=False,
+                                  split_special_tokens=True))
+    ids: list[int] = []
+    for k, piece in enumerate(fmt.template.split("{output}")):
+        ids += shown if k else []
+        ids += list(tokenizer.encode(piece, add_special_tokens=False)) if piece else []
+    return ids
 
 
 def build_prompt(tokenizer: ChatTokenizer, messages: list[dict[str, Any]], fmt: ChatFormat) -> list[int]:

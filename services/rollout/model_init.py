@@ -26,7 +26,9 @@ from pydantic import BaseModel
 
 from services.common.files import make_world_readable
 
-Size = Literal["tiny", "small", "bench", "demo"]
+Size = Literal["tiny", "mini", "small", "bench", "demo"]
+TokenizerKind = Literal["local", "qwen2.5"]
+TOKENIZERS: tuple[str, ...] = ("local", "qwen2.5")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MARKUP = (
@@ -73,6 +75,16 @@ PRESETS: dict[str, ModelPreset] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         initializer_range=0.1,
+    ),
+    # the narrowest with head_dim 32 (vLLM's CPU attention takes it): the real-vocabulary (Qwen2.5) tests
+    "mini": ModelPreset(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.05,
     ),
     "small": ModelPreset(
         vocab_size=4096,
@@ -223,21 +235,28 @@ def build_tokenizer(vocab_size: int, seed: int = 0, individual_digits: bool = Fa
     return hf
 
 
-def build_model(size: Size, tokenizer: Any, seed: int = 0) -> Any:
+def build_model(size: Size, tokenizer: Any, seed: int = 0, *, vocab_size: int | None = None,
+                tie_word_embeddings: bool | None = None, max_position_embeddings: int | None = None) -> Any:
+    """``vocab_size``: embedding rows (default ``len(tokenizer)``; Qwen2.5 pads to 151,936);
+    ``tie_word_embeddings``, ``max_position_embeddings``: default the preset's."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     preset = PRESETS[size]
+    rows = len(tokenizer) if vocab_size is None else vocab_size
+    tie = preset.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+    if rows < len(tokenizer):
+        raise ValueError(f"vocab_size: {rows} rows cannot hold the tokenizer's {len(tokenizer)} ids")
     cfg = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=rows,
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
         num_hidden_layers=preset.num_hidden_layers,
         num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_key_value_heads,
-        max_position_embeddings=preset.max_position_embeddings,
+        max_position_embeddings=max_position_embeddings or preset.max_position_embeddings,
         initializer_range=preset.initializer_range,
-        tie_word_embeddings=preset.tie_word_embeddings,
+        tie_word_embeddings=tie,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         use_sliding_window=False,
@@ -257,22 +276,41 @@ def build_model(size: Size, tokenizer: Any, seed: int = 0) -> Any:
 
 
 def init_model_dir(
-    out: str | Path, size: Size = "tiny", seed: int = 0, extra_corpus: Sequence[str] = ()
+    out: str | Path, size: Size = "tiny", seed: int = 0, extra_corpus: Sequence[str] = (), *,
+    tokenizer: TokenizerKind = "local", tie_word_embeddings: bool | None = None,
 ) -> Path:
-    """Create ``out`` with model weights (safetensors), config, generation config and tokenizer
-    (``extra_corpus``: see ``build_tokenizer``)."""
+    """Create ``out`` with model weights (safetensors), config, generation config and tokenizer.
+
+    ``tokenizer``: ``local`` trains the preset's small BPE (``extra_corpus``: see ``build_tokenizer``);
+    ``qwen2.5`` is the real Qwen2.5 tokenizer and chat template (services/chat/qwen_tokenizer.py) with
+    151,936 embedding rows, untied unless ``tie_word_embeddings``.
+    """
     if size not in PRESETS:
         raise ValueError(f"size: {size!r} is not one of {sorted(PRESETS)}")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer: {tokenizer!r} is not one of {list(TOKENIZERS)}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(
-        PRESETS[size].vocab_size, seed=0, individual_digits=PRESETS[size].individual_digits,
-        extra_corpus=extra_corpus,
-    )
-    model = build_model(size, tokenizer, seed=seed)
+    if tokenizer == "qwen2.5":
+        from services.chat.qwen_template import QWEN25_MAX_POSITIONS, QWEN25_VOCAB_SIZE
+        from services.chat.qwen_tokenizer import build_qwen25_tokenizer
+
+        if extra_corpus:
+            raise ValueError("extra_corpus: the qwen2.5 tokenizer is fixed (no training corpus)")
+        tok = build_qwen25_tokenizer()
+        tie = False if tie_word_embeddings is None else tie_word_embeddings
+        model = build_model(size, tok, seed=seed, vocab_size=QWEN25_VOCAB_SIZE, tie_word_embeddings=tie,
+                            max_position_embeddings=QWEN25_MAX_POSITIONS)
+    else:
+        tok = build_tokenizer(
+            PRESETS[size].vocab_size, seed=0, individual_digits=PRESETS[size].individual_digits,
+            extra_corpus=extra_corpus,
+        )
+        model = build_model(size, tok, seed=seed, tie_word_embeddings=tie_word_embeddings)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    tok.save_pretrained(out)
     n_params = sum(p.numel() for p in model.parameters())
-    (out / "retool_model.json").write_text(json.dumps({"size": size, "seed": seed, "parameters": n_params}))
+    (out / "retool_model.json").write_text(json.dumps({"size": size, "seed": seed, "parameters": n_params,
+                                                       "tokenizer": tokenizer}))
     make_world_readable(out)  # the containers (uid 10001) read it through a bind mount
     return out

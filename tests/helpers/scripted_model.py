@@ -21,18 +21,20 @@ import torch
 from services.chat.format import CODE_RESULT_TEMPLATE
 
 
-def scripted_model_dir(out: Path, code: str, base_seed: int = 0, scale: float = 4.0) -> Path:
-    """Build (once) a model that answers every chat prompt with ``<code>{code}</code>``, again after
-    each interpreter result."""
+def scripted_model_dir(out: Path, code: str, base_seed: int = 0, scale: float = 4.0, *,
+                       turn: str | None = None, tokenizer: str = "local", size: str = "small") -> Path:
+    """Build (once) a model that answers every chat prompt with ``<code>{code}</code>`` (or the text
+    ``turn``), again after each interpreter result. ``tokenizer``/``size``: see ``init_model_dir``
+    (``qwen2.5`` with ``mini``: the real vocabulary)."""
     from transformers import AutoTokenizer
 
     from services.rollout.model_init import init_model_dir
 
     if (out / "config.json").is_file():
         return out
-    init_model_dir(out, "small", seed=base_seed)
+    init_model_dir(out, size, seed=base_seed, tokenizer=tokenizer)  # type: ignore[arg-type]
     tok = AutoTokenizer.from_pretrained(str(out))
-    ids = tok.encode(f"<code>{code}</code>", add_special_tokens=False)
+    ids = tok.encode(f"<code>{code}</code>" if turn is None else turn, add_special_tokens=False)
     after_tool = tok.encode(CODE_RESULT_TEMPLATE.format(output="0"), add_special_tokens=False)
     successor: dict[int, list[int]] = {_header(tok)[-1]: [ids[0]], after_tool[-1]: [ids[0]]}
     _chain(successor, ids, tok, code)

@@ -12,7 +12,8 @@ Semantics (one response = one trajectory):
   ``max_tool_output_chars``, put into ``result_template`` (code format:
   ``"\\n<interpreter>\\n{output}\\n</interpreter>\\n"``,
   hermes: ``"\\n<tool_response>\\n{output}\\n</tool_response>\\n"``),
-  tokenized once on its own and appended with loss mask 0, log-prob 0.0 and version -1;
+  tokenized on its own (``tool_result_ids``: special-token text in the output stays plain text)
+  and appended with loss mask 0, log-prob 0.0 and version -1;
 - the response ends at EOS (``eos``), at a generated ``</answer>`` (``answer``), when the model asks
   for tool call number ``max_turns + 1`` (``max_turns``; that request is not run), or when the
   ``max_response_tokens`` budget of generated + interpreter tokens is used up (``length``,
@@ -37,7 +38,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from services.chat.format import build_prompt, tool_result_text
+from services.chat.format import build_prompt, tool_result_ids
 from services.chat.toolcall import ToolCall, parse_code_call, parse_hermes_call
 from services.common.schemas import RolloutSampling, Trajectory
 from services.rollout.agent.sandbox import SandboxUnavailable, ToolResult
@@ -238,8 +239,7 @@ class AgentLoop:
                 st.tool_call_errors.append(out.error)
                 if out.error:
                     st.tool_errors += 1
-                shown = tool_result_text(out.text, self.cfg)
-                ids = list(self.tokenizer.encode(shown, add_special_tokens=False))
+                ids = tool_result_ids(self.tokenizer, out.text, self.cfg)
                 room = budget - len(st.response_ids)
                 st.add_tool(ids[:room])
                 if len(ids) > room:

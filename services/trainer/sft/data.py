@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from services.chat.format import ChatFormat
+from services.chat.template_check import TemplateNotAppendOnly, check_append_only
 from services.common.config import ConfigError
 from services.data.io import iter_rows
 from services.trainer.sft.config import SFTDataConfig
@@ -71,6 +72,11 @@ def _iter_file(path: str) -> Any:
 def load_samples(cfg: SFTDataConfig, tokenizer: Any, agent: ChatFormat) -> tuple[list[Rendered], DataReport]:
     report = DataReport()
     out: list[Rendered] = []
+    if cfg.render == "chat_template":  # before any row: a template that rewrites turns fails here
+        try:
+            check_append_only(tokenizer, agent)
+        except TemplateNotAppendOnly as exc:
+            raise ConfigError(f"data.render=chat_template: {exc}") from None
     for path in cfg.train_files:
         for index, row in _iter_file(path):
             if cfg.limit is not None and report.rows >= cfg.limit:

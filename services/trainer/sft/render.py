@@ -22,7 +22,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from services.chat.format import ChatFormat, build_prompt, hermes_tool_schema, tool_result_text
+from services.chat.format import (  # noqa: F401 - tool_result_text re-exported (tests/unit/test_sft_render.py)
+    ChatFormat,
+    build_prompt,
+    hermes_tool_schema,
+    tool_result_ids,
+    tool_result_text,
+)
 
 Render = Literal["inline", "chat_template"]
 
@@ -90,7 +96,7 @@ def render_inline(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFor
         elif role == "tool":
             if last_role != "assistant":
                 raise RenderError("a tool message must follow an assistant message")
-            piece = list(tokenizer.encode(tool_result_text(_content(m), agent), add_special_tokens=False))
+            piece = tool_result_ids(tokenizer, _content(m), agent)
             ids += piece
             mask += [0] * len(piece)
         else:
@@ -108,12 +114,31 @@ def render_inline(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFor
     return Rendered(ids, mask)
 
 
+def _for_template(msg: dict[str, Any]) -> dict[str, Any]:
+    """Tool-call arguments as objects, as chat templates expect (OpenAI messages carry them as JSON
+    strings; Qwen2.5's template writes ``arguments | tojson``, which would quote a string again and
+    teach the model a call layout the rollout never writes)."""
+    calls = msg.get("tool_calls")
+    if not calls:
+        return msg
+    out = []
+    for call in calls:
+        fn = dict(call.get("function") or call)
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except json.JSONDecodeError as exc:
+                raise RenderError(f"tool call arguments are not JSON: {exc}") from None
+        out.append({**call, "function": fn} if "function" in call else fn)
+    return {**msg, "tool_calls": out}
+
+
 def render_chat_template(messages: list[dict[str, Any]], tokenizer: Any, agent: ChatFormat) -> Rendered:
     _split_prompt(messages)
     kwargs: dict[str, Any] = {"tokenize": False}
     if agent.tool_format == "hermes":
         kwargs["tools"] = [hermes_tool_schema(agent.tool_name)]
-    clean = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    clean = [_for_template({k: v for k, v in m.items() if v is not None}) for m in messages]
 
     def text(k: int, gen: bool) -> str:
         return str(tokenizer.apply_chat_template(clean[:k], add_generation_prompt=gen, **kwargs)) if k else ""
