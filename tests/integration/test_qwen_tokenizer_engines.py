@@ -36,7 +36,7 @@ from tests.helpers.qwen import qwen_scripted_dir
 
 # vLLM with a 151,665-token tokenizer starts slowly on busy CPUs (its renderer deep-copies the tokenizer)
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(1500),
-              pytest.mark.slow(reason="the first vLLM test starts the engine with the 151,665-token tokenizer "
+              pytest.mark.slow(reason="the first vLLM test starts vLLM with the 151,665-token tokenizer "
                                "(its renderer deep-copies it; 903 s for the vLLM tests at load 12)",
                                budget_s=1200)]
 
