@@ -11,7 +11,9 @@ A ratio ``a:b`` is ``a/b``; ``undefined`` spots a plain division by zero (``12:0
 ``compare_structures`` decides lists, sets, tuples, intervals and matrices whose elements are
 all such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}`` and bare comma
 lists are unordered, ``(…)``/``[…]`` are ordered with their brackets (two items in different
-brackets: different intervals, or an interval and a pair), a matrix equals only a matrix of the same
+brackets: different intervals, or an interval and a pair; an item may be a decimal that
+``numeric``'s rounding rule ties to the other's exact item: ``(0.6,2.6667]`` is
+``(\\frac35,\\frac83]``), a matrix equals only a matrix of the same
 shape (``pmatrix``, ``bmatrix``, ``matrix`` or ``array`` alike), a structure is never a single
 number. Whatever it is unsure of (duplicates, a set against a sequence, non-numeric elements)
 is None: left to the symbolic path, never guessed.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+
+from services.reward import numeric
 
 _NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)"
 _PLAIN = re.compile(rf"^{_NUM}$")
@@ -100,6 +104,7 @@ class Structure:
     kind: str  # "set" (unordered: \\{…\\} or a bare list) or "seq" (tuple / interval)
     brackets: str  # "" for sets, else the opening and closing bracket, e.g. "[)"
     items: tuple[Fraction | str, ...]  # str: "+inf" / "-inf" (interval ends)
+    texts: tuple[str, ...] = ()  # the items as written (for ``numeric``'s rounding rule)
 
 
 def _split_top_level(s: str) -> list[str] | None:
@@ -144,10 +149,19 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         return None
     if len(values) == 1:
         return values[0] if isinstance(values[0], Fraction) else None  # "(3)" is 3
-    return Structure(kind, brackets, values)
+    return Structure(kind, brackets, values, tuple(parts))
 
 
 Exact = Structure | NumericMatrix | Fraction
+
+
+def _same_item(x: Fraction | str, x_text: str, y: Fraction | str, y_text: str) -> bool:
+    """Equal items, or a decimal that is the other (exact) item rounded (``numeric``)."""
+    if x == y:
+        return True
+    if isinstance(x, str) or isinstance(y, str):
+        return False
+    return numeric.approximates(x_text, x, y_text, y)
 
 
 def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
@@ -166,7 +180,9 @@ def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
     if a.kind != b.kind or a.brackets != b.brackets:
         return None
     if a.kind == "seq":
-        return a.items == b.items
+        return len(a.items) == len(b.items) and all(
+            _same_item(x, xt, y, yt) for x, xt, y, yt in zip(a.items, a.texts, b.items, b.texts, strict=True)
+        )
     if len(set(a.items)) != len(a.items) or len(set(b.items)) != len(b.items):
         return None  # duplicates: leave multiset-vs-set questions to the symbolic path
     return set(a.items) == set(b.items)

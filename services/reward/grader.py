@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from services.reward import exact_special
+from services.reward import exact_special, numeric
 from services.reward.exact import compare_structures, to_fraction, to_structure, undefined
 from services.reward.extract import extract_answer
 from services.reward.normalize import normalize
@@ -58,7 +58,7 @@ def fast_grade(
     truth = normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
-    pred = normalize(extracted)
+    pred, truth = numeric.decimal_comma(normalize(extracted), truth)
     if pred == truth:
         return Verdict(True, extracted, "exact")
     aligned = align(pred, truth)
@@ -71,12 +71,19 @@ def fast_grade(
         return Verdict(False, extracted, "mismatch")  # a division by zero is never a value
     tf, pf = to_fraction(truth), to_fraction(pred)
     if tf is not None and pf is not None:
-        return Verdict(tf == pf, extracted, "exact" if tf == pf else "mismatch")
+        if tf == pf:
+            return Verdict(True, extracted, "exact")
+        close = numeric.approximates(pred, pf, truth, tf)  # 0.0833333333333333 for 1/12
+        return Verdict(close, extracted, "equivalent" if close else "mismatch")
     if (tf is None) != (pf is None):  # one side a plain number: √n, log_b a, ln a decided exactly
-        other = exact_special.value(pred if tf is not None else truth)
+        number_text, other_text = (truth, pred) if tf is not None else (pred, truth)
+        other = exact_special.value(other_text)
         number = tf if tf is not None else pf
         if isinstance(other, Fraction):
-            return Verdict(other == number, extracted, "equivalent" if other == number else "mismatch")
+            same = other == number or numeric.rounds_to(number_text, other)
+            return Verdict(same, extracted, "equivalent" if same else "mismatch")
+        if numeric.places(number_text) is not None:
+            return Pending(extracted, pred, truth)  # √17 against 4.123105625617661: by rounding
         if other == exact_special.IRRATIONAL:
             return Verdict(False, extracted, "mismatch")
     p_pi, t_pi = exact_special.pi_coefficient(pred), exact_special.pi_coefficient(truth)

@@ -91,7 +91,7 @@ _WRAPPED_UNIT = re.compile(
 _UNITS = re.compile(rf"(?:(?<=[\d}}).])|(?<=\\pi))\s*(?:{_UNIT_ALT}){_POWER}$", re.I)
 _TEXT_CONNECTIVE = re.compile(rf"\\(?:{_WRAPPER_NAMES})\s*\{{\s*(,?\s*(?:and|or)|,)\s*\}}")
 _CONNECTIVE = re.compile(r"(?<=\S)\s*,?\s*\b(?:and|or)\b\s*(?=\S)")
-_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:(?:,|\s*\{,\}\s*)\d{3})+(?:\.\d+)?$")
+_THOUSANDS = re.compile(r"^[+-]?[1-9]\d{0,2}(?:(?:,|\s*\{,\}\s*)\d{3})+(?:\.\d+)?$")  # "0,111": no
 _TEX_COMMA = re.compile(r"\{\s*,\s*\}")  # "{,}" and "{, }": TeX's comma without a space after it
 # Relations, one spelling each; "\le" only as a whole macro (not "\left", "\leq").
 _RELATIONS = (
