@@ -82,7 +82,7 @@ def fast_grade(
         if isinstance(other, Fraction):
             same = other == number or numeric.rounds_to(number_text, other)
             return Verdict(same, extracted, "equivalent" if same else "mismatch")
-        if numeric.places(number_text) is not None:
+        if numeric.places(number_text, numeric.MIN_SIGNIFICANT_IRRATIONAL) is not None:
             return Pending(extracted, pred, truth)  # √17 against 4.123105625617661: by rounding
         if other == exact_special.IRRATIONAL:
             return Verdict(False, extracted, "mismatch")

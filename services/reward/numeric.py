@@ -10,10 +10,11 @@
   already made it).
 
 **Approximation.** A decimal with at least ``MIN_SIGNIFICANT`` significant digits equals an
-exact value (``1/12``, ``\\sqrt{17}``, ``8/3``) when it is that value rounded to the decimal
-places written: ``|d - v| <= 1/2 * 10^-n`` for ``n`` places. So ``0.0833333333333333`` is
+exact rational (``1/12``, ``8/3``), and one with at least ``MIN_SIGNIFICANT_IRRATIONAL`` (a
+double's full precision: a computed value) an irrational constant (``\\sqrt{17}``), when it is
+that value rounded to the decimal places written: ``|d - v| <= 1/2 * 10^-n`` for ``n`` places. So ``0.0833333333333333`` is
 ``1/12`` and ``2.6667`` is ``8/3``, while ``0.33``, ``0.333``, ``0.67`` (too few digits) and
-``2.6666`` (not the rounding) are not; a value that needs no more than ``n`` places equals only
+``2.6666`` (not the rounding) are not, nor is ``3.14159`` ``\\pi``; a value that needs no more than ``n`` places equals only
 itself (``0.1250001`` is not ``1/8``). Two decimals are always compared exactly.
 """
 
@@ -23,6 +24,7 @@ import re
 from fractions import Fraction
 
 MIN_SIGNIFICANT = 5
+MIN_SIGNIFICANT_IRRATIONAL = 15
 _COMMA_NUMBER = re.compile(r"^([+-]?)(\d+),(\d+)$")
 _POINT_NUMBER = re.compile(r"^[+-]?\d*\.\d+$")
 _DECIMAL = re.compile(r"^[+-]?(\d*)\.(\d+)$")
@@ -47,13 +49,13 @@ def decimal_comma(pred: str, truth: str) -> tuple[str, str]:
     return pred, truth
 
 
-def places(s: str) -> int | None:
-    """Decimal places of a decimal written with at least ``MIN_SIGNIFICANT`` significant digits."""
+def places(s: str, min_significant: int = MIN_SIGNIFICANT) -> int | None:
+    """Decimal places of a decimal written with at least ``min_significant`` significant digits."""
     m = _DECIMAL.match(s)
     if not m:
         return None
     digits = (m.group(1) + m.group(2)).lstrip("0")
-    return len(m.group(2)) if len(digits) >= MIN_SIGNIFICANT else None
+    return len(m.group(2)) if len(digits) >= min_significant else None
 
 
 def rounds_to(s: str, value: Fraction) -> bool:
