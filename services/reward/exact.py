@@ -13,7 +13,9 @@ all such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}``
 lists are unordered, ``(…)``/``[…]`` are ordered with their brackets (two items in different
 brackets: different intervals, or an interval and a pair; an item may be a decimal that
 ``numeric``'s rounding rule ties to the other's exact item: ``(0.6,2.6667]`` is
-``(\\frac35,\\frac83]``), a matrix equals only a matrix of the same
+``(\\frac35,\\frac83]``), a bare list (``1,3``, also ``{1,3}``, whose
+braces are a TeX group, not a set) against a parenthesised tuple compares in order (``(1,3)``
+yes, ``(3,1)`` no); a matrix equals only a matrix of the same
 shape (``pmatrix``, ``bmatrix``, ``matrix`` or ``array`` alike), a structure is never a single
 number. Whatever it is unsure of (duplicates, a set against a sequence, non-numeric elements)
 is None: left to the symbolic path, never guessed.
@@ -105,6 +107,7 @@ class Structure:
     brackets: str  # "" for sets, else the opening and closing bracket, e.g. "[)"
     items: tuple[Fraction | str, ...]  # str: "+inf" / "-inf" (interval ends)
     texts: tuple[str, ...] = ()  # the items as written (for ``numeric``'s rounding rule)
+    bare: bool = False  # a comma list without brackets (``1,3``; ``{1,3}`` normalises to it)
 
 
 def _split_top_level(s: str) -> list[str] | None:
@@ -141,6 +144,7 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         kind, brackets, inner = "seq", s[0] + s[-1], s[1:-1]
     else:
         kind, brackets, inner = "set", "", s
+    bare = kind == "set" and not s.startswith("\\{")
     parts = _split_top_level(inner)
     if not parts:
         return None
@@ -149,7 +153,7 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         return None
     if len(values) == 1:
         return values[0] if isinstance(values[0], Fraction) else None  # "(3)" is 3
-    return Structure(kind, brackets, values, tuple(parts))
+    return Structure(kind, brackets, values, tuple(parts), bare)
 
 
 Exact = Structure | NumericMatrix | Fraction
@@ -177,6 +181,8 @@ def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
     assert isinstance(a, Structure) and isinstance(b, Structure)
     if a.kind == b.kind == "seq" and a.brackets != b.brackets and len(a.items) == len(b.items) == 2:
         return False  # [1,2] vs [1,2): other openness; (1,2) vs [1,2]: other interval or a tuple
+    if {a.brackets, b.brackets} == {"", "()"} and (a.bare or b.bare) and len(a.items) == len(b.items):
+        return a.items == b.items  # "{1,3}" (a TeX group: the list 1,3) is the pair (1,3), in order
     if a.kind != b.kind or a.brackets != b.brackets:
         return None
     if a.kind == "seq":

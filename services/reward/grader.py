@@ -1,4 +1,4 @@
-"""Grade a response against a ground truth: extract → normalise → shape → exact → symbolic.
+"""Grade a response against a ground truth: extract → normalise → forms → shape → exact → symbolic.
 
 Invariant: every grade ends in one of the ``Reason`` values; only ``exact``,
 ``equivalent`` are correct. The shape step (labels, chains, relations, labelled lists) only
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from services.reward import exact_special, numeric
+from services.reward import exact_special, forms, numeric
 from services.reward.exact import compare_structures, to_fraction, to_structure, undefined
 from services.reward.extract import extract_answer
 from services.reward.normalize import normalize
@@ -58,7 +58,7 @@ def fast_grade(
     truth = normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
-    pred, truth = numeric.decimal_comma(normalize(extracted), truth)
+    pred, truth = numeric.decimal_comma(forms.rewrite(normalize(extracted)), forms.rewrite(truth))
     if pred == truth:
         return Verdict(True, extracted, "exact")
     aligned = align(pred, truth)
