@@ -58,7 +58,8 @@ def fast_grade(
     truth = normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
-    pred, truth = numeric.decimal_comma(forms.rewrite(normalize(extracted)), forms.rewrite(truth))
+    pred, truth = forms.rewrite(normalize(extracted)), forms.rewrite(truth)
+    pred, truth = numeric.decimal_comma(pred, truth, extracted, ground_truth)
     if pred == truth:
         return Verdict(True, extracted, "exact")
     aligned = align(pred, truth)

@@ -26,6 +26,7 @@ from fractions import Fraction
 MIN_SIGNIFICANT = 5
 MIN_SIGNIFICANT_IRRATIONAL = 15
 _COMMA_NUMBER = re.compile(r"^([+-]?)(\d+),(\d+)$")
+_SPACED_COMMA = re.compile(r",\s")
 _POINT_NUMBER = re.compile(r"^[+-]?\d*\.\d+$")
 _DECIMAL = re.compile(r"^[+-]?(\d*)\.(\d+)$")
 
@@ -40,11 +41,12 @@ def _comma_as_point(s: str) -> str:
     return f"{sign}{whole}.{frac}"
 
 
-def decimal_comma(pred: str, truth: str) -> tuple[str, str]:
-    """``pred`` and ``truth`` with a decimal comma read as a point where the rules allow it."""
-    if _POINT_NUMBER.match(truth):
+def decimal_comma(pred: str, truth: str, pred_raw: str, truth_raw: str) -> tuple[str, str]:
+    """``pred`` and ``truth`` (normalised) with a decimal comma read as a point where the rules
+    allow it; ``*_raw`` are the texts as written (a space after a comma is gone once normalised)."""
+    if _POINT_NUMBER.match(truth) and not _SPACED_COMMA.search(pred_raw):
         pred = _comma_as_point(pred)
-    if _POINT_NUMBER.match(pred):
+    if _POINT_NUMBER.match(pred) and not _SPACED_COMMA.search(truth_raw):
         truth = _comma_as_point(truth)
     return pred, truth
 
