@@ -10,7 +10,8 @@ never part of an answer.
 
 One answer in several parts is one answer: boxes (or ``$…$`` spans of an answer line) that
 follow each other with nothing but separators between them (spaces, commas, ``and``/``or``,
-``\\quad``, math delimiters, a ``\\text{ for part (a) and }``) are joined with commas: ``\\boxed{(2,2)} \\quad\\text{and}\\quad
+``\\quad``, math delimiters, a ``\\text{ for part (a) and }``) are joined with commas:
+``\\boxed{(2,2)} \\quad\\text{and}\\quad
 \\boxed{(6,2)}`` → ``(2,2), (6,2)``; a short label right before a joined box is kept
 (``y_1 = \\boxed{a}`` and ``y_2 = \\boxed{b}`` → ``y_1 = a, y_2 = b``). Words between
 boxes end the group: "I first got \\boxed{3} but then \\boxed{5}" answers 5. In an answer

@@ -3,7 +3,8 @@
 Invariant: normalisation only removes presentation (spacing macros, ``\\left``/``\\right``,
 ``\\dfrac``, text wrappers, units, degree marks, dollar and percent signs, thousands
 separators, trailing periods, letter case of text answers), spells relations one way
-(``<=``, ``\\le``, an over-escaped ``\\\\le`` → ``\\leq``), turns the words "and"/"or" between parts into commas and puts
+(``<=``, ``\\le``, an over-escaped ``\\\\le`` → ``\\leq``), turns the words
+ "and"/"or" between parts into commas and puts
 braces on TeX shorthand (``\\sqrt3``, ``\\frac12``). It never changes a value and never
 guesses between a list and a number: only ``1,000``-style groups (1-3 digits, then groups of
 exactly 3, no space after a comma) are one number; ``32, 349`` stays a list of two.
@@ -107,7 +108,9 @@ _WHITESPACE = re.compile(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])|\s+")
 _SQRT_TOKEN = re.compile(r"\\sqrt ?([0-9a-zA-Z])")
 _LOG_BASE_TOKEN = re.compile(r"\\log_([0-9a-zA-Z])")
 _FRAC_TOKENS = re.compile(r"\\frac ?(\{[^{}]*\}|[0-9a-zA-Z]) ?(\{[^{}]*\}|[0-9a-zA-Z])")
-_OVER_ESCAPED = re.compile(r"\\\\(?=(?:le|ge|leq|geq|neq|in|cup|cap|infty|frac|sqrt|pi|text|boxed)(?![a-zA-Z]))")
+_OVER_ESCAPED = re.compile(
+    r"\\\\(?=(?:le|ge|leq|geq|neq|in|cup|cap|infty|frac|sqrt|pi|text|boxed)(?![a-zA-Z]))"
+)
 _EMPTY_SET = re.compile(r"\\varnothing|\\\{\\\}|\\O(?![a-zA-Z])")
 _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 

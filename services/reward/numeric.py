@@ -12,9 +12,11 @@
 **Approximation.** A decimal with at least ``MIN_SIGNIFICANT`` significant digits equals an
 exact rational (``1/12``, ``8/3``), and one with at least ``MIN_SIGNIFICANT_IRRATIONAL`` (a
 double's full precision: a computed value) an irrational constant (``\\sqrt{17}``), when it is
-that value rounded to the decimal places written: ``|d - v| <= 1/2 * 10^-n`` for ``n`` places. So ``0.0833333333333333`` is
+that value rounded to the decimal places written: ``|d - v| <= 1/2 * 10^-n`` for ``n`` places.
+So ``0.0833333333333333`` is
 ``1/12`` and ``2.6667`` is ``8/3``, while ``0.33``, ``0.333``, ``0.67`` (too few digits) and
-``2.6666`` (not the rounding) are not, nor is ``3.14159`` ``\\pi``; a value that needs no more than ``n`` places equals only
+``2.6666`` (not the rounding) are not, nor is ``3.14159`` ``\\pi``; a value that needs no more
+than ``n`` places equals only
 itself (``0.1250001`` is not ``1/8``). Two decimals are always compared exactly.
 """
 

@@ -6,7 +6,8 @@ count), two when a relation (``=``, ``<``, ``>``) stands outside math, so ``x = 
 or ``x = 3 \\text{ m}`` are never read as prose. Rules,
 strict on purpose:
 - only the last sentence counts (its end is a ``.``/``!``/``?`` outside math followed by a
-  space and a capital letter; "Therefore", "Thus", "Hence", "So" also start one), after "I hope it is correct" is cut: the working before it
+  space and a capital letter; "Therefore", "Thus", "Hence", "So" also start one),
+  after "I hope it is correct" is cut: the working before it
   never supplies a value, and the cost is linear in the line, whatever its length;
 - a *value* is a math span holding a digit (``$(7, 6)$``) or a number outside math, with its
   sign, decimal mark, thousands separators, a ``/`` and a percent sign (``2/3``, ``100%``);
@@ -68,7 +69,8 @@ def _values(sentence: str) -> list[tuple[int, int, str]]:
         if any(ch.isdigit() for ch in inner):
             out.append((m.start(), m.end(), inner.strip()))
     masked = _masked(sentence)
-    out.extend((m.start(), m.end(), m.group(1) + (m.group(2) or "").strip()) for m in _NUMBER.finditer(masked))
+    for m in _NUMBER.finditer(masked):
+        out.append((m.start(), m.end(), m.group(1) + (m.group(2) or "").strip()))
     return sorted(out)
 
 

@@ -273,7 +273,8 @@ def _as_value(s: str) -> object:
 def symbolic_equal(pred: str, truth: str) -> bool:
     """Cached per worker: a prompt's samples often repeat the same answer (pure function)."""
     for decimal, other in ((pred, truth), (truth, pred)):
-        if numeric.places(decimal, numeric.MIN_SIGNIFICANT_IRRATIONAL) is not None and not numeric.is_decimal(other):
+        long_decimal = numeric.places(decimal, numeric.MIN_SIGNIFICANT_IRRATIONAL) is not None
+        if long_decimal and not numeric.is_decimal(other):
             return _rounds_to(decimal, other)
     try:
         a, b = _as_value(pred), _as_value(truth)

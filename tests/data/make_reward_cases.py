@@ -652,7 +652,11 @@ CASES["approximation"] = [
     (B("4.123105625617662"), "\\sqrt{17}", False),
     (B("2.66667"), "2.6667", False),  # two decimals: exact
     (B("(0.6,2.6667)"), "(\\frac{3}{5},\\frac{8}{3}]", False),
-    (B("\\begin{pmatrix}0.33\\\\0.2\\end{pmatrix}"), "\\begin{pmatrix}\\frac{1}{3}\\\\\\frac{1}{5}\\end{pmatrix}", False),
+    (
+        B("\\begin{pmatrix}0.33\\\\0.2\\end{pmatrix}"),
+        "\\begin{pmatrix}\\frac{1}{3}\\\\\\frac{1}{5}\\end{pmatrix}",
+        False,
+    ),
 ]
 CASES["sets_relations"] = [
     (B("x \\in [-2,7]"), "-2 \\le x \\le 7", True),
@@ -660,7 +664,11 @@ CASES["sets_relations"] = [
     (B("-2 \\\\le x \\\\le 7"), "x \\in [-2,7]", True),
     (B("{1,3}"), "(1,3)", True),
     (B("(5,2),(7,2)"), "p=5,q=2;p=7,q=2", True),
-    (B("z \\in \\left[-\\frac{3}{2}, -1\\right] \\cup \\left[1, \\frac{3}{2}\\right]"), "1\\leq|z|\\leq \\frac{3}{2}", True),
+    (
+        B("z \\in \\left[-\\frac{3}{2}, -1\\right] \\cup \\left[1, \\frac{3}{2}\\right]"),
+        "1\\leq|z|\\leq \\frac{3}{2}",
+        True,
+    ),
     (B("x \\in [-2,7)"), "-2 \\le x \\le 7", False),
     (B("x \\in [-2,7]"), "-2 < x \\le 7", False),
     (B("{1,3}"), "(3,1)", False),
