@@ -13,9 +13,10 @@ all such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}``
 lists are unordered, ``(…)``/``[…]`` are ordered with their brackets (two items in different
 brackets: different intervals, or an interval and a pair; an item may be a decimal that
 ``numeric``'s rounding rule ties to the other's exact item: ``(0.6,2.6667]`` is
-``(\\frac35,\\frac83]``), a bare list (``1,3``, also ``{1,3}``, whose
-braces are a TeX group, not a set) against a parenthesised tuple compares in order (``(1,3)``
-yes, ``(3,1)`` no); a matrix equals only a matrix of the same
+``(\\frac35,\\frac83]``), a list written in a TeX group (``{1,3}``:
+braces without a backslash, not a set) against a parenthesised tuple compares in order
+(``(1,3)`` yes, ``(3,1)`` no); a bare ``1,3`` against ``(1,3)`` stays undecided (it may be an
+interval); a matrix equals only a matrix of the same
 shape (``pmatrix``, ``bmatrix``, ``matrix`` or ``array`` alike), a structure is never a single
 number. Whatever it is unsure of (duplicates, a set against a sequence, non-numeric elements)
 is None: left to the symbolic path, never guessed.
@@ -107,7 +108,7 @@ class Structure:
     brackets: str  # "" for sets, else the opening and closing bracket, e.g. "[)"
     items: tuple[Fraction | str, ...]  # str: "+inf" / "-inf" (interval ends)
     texts: tuple[str, ...] = ()  # the items as written (for ``numeric``'s rounding rule)
-    bare: bool = False  # a comma list without brackets (``1,3``; ``{1,3}`` normalises to it)
+    tex_group: bool = False  # written ``{1,3}``: braces without a backslash, a TeX group
 
 
 def _split_top_level(s: str) -> list[str] | None:
@@ -134,8 +135,11 @@ def _numbers(parts: list[str]) -> tuple[Fraction | str, ...] | None:
     return None if any(v is None for v in values) else values  # type: ignore[return-value]
 
 
-def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
-    """A list/set/tuple/interval/matrix of exact numbers, a parenthesised number, or None."""
+def to_structure(s: str, tex_group: bool = False) -> Structure | NumericMatrix | Fraction | None:
+    """A list/set/tuple/interval/matrix of exact numbers, a parenthesised number, or None.
+
+    ``tex_group``: the answer was written as ``{…}`` (which normalising took off).
+    """
     if "\\begin" in s:
         return to_matrix(s)
     if s.startswith("\\{") and s.endswith("\\}"):
@@ -144,7 +148,7 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         kind, brackets, inner = "seq", s[0] + s[-1], s[1:-1]
     else:
         kind, brackets, inner = "set", "", s
-    bare = kind == "set" and not s.startswith("\\{")
+    tex_group = tex_group and kind == "set" and not s.startswith("\\{")
     parts = _split_top_level(inner)
     if not parts:
         return None
@@ -153,7 +157,7 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         return None
     if len(values) == 1:
         return values[0] if isinstance(values[0], Fraction) else None  # "(3)" is 3
-    return Structure(kind, brackets, values, tuple(parts), bare)
+    return Structure(kind, brackets, values, tuple(parts), tex_group)
 
 
 Exact = Structure | NumericMatrix | Fraction
@@ -181,7 +185,8 @@ def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
     assert isinstance(a, Structure) and isinstance(b, Structure)
     if a.kind == b.kind == "seq" and a.brackets != b.brackets and len(a.items) == len(b.items) == 2:
         return False  # [1,2] vs [1,2): other openness; (1,2) vs [1,2]: other interval or a tuple
-    if {a.brackets, b.brackets} == {"", "()"} and (a.bare or b.bare) and len(a.items) == len(b.items):
+    grouped = a.tex_group or b.tex_group
+    if grouped and {a.brackets, b.brackets} == {"", "()"} and len(a.items) == len(b.items):
         return a.items == b.items  # "{1,3}" (a TeX group: the list 1,3) is the pair (1,3), in order
     if a.kind != b.kind or a.brackets != b.brackets:
         return None

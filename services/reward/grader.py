@@ -22,12 +22,13 @@ from typing import Literal
 from services.reward import exact_special, forms, numeric
 from services.reward.exact import compare_structures, to_fraction, to_structure, undefined
 from services.reward.extract import extract_answer
-from services.reward.normalize import normalize
+from services.reward.normalize import normalize, strip_math_delimiters
 from services.reward.shape import align
 from services.reward.workers import SymbolicPool
 
 Reason = Literal["exact", "equivalent", "mismatch", "no_answer", "timeout", "invalid_ground_truth"]
 MAX_ANSWER_CHARS = 1000
+_TEX_GROUP = re.compile(r"^\{[^{}]*,[^{}]*\}$")  # "{1,3}": a TeX group around a list
 _TEXTY = re.compile(r"^[a-z][a-z ]+$")  # words; a single letter may be a variable or i
 
 
@@ -94,7 +95,10 @@ def fast_grade(
     if t_pi is not None and pf is not None:
         same = t_pi == 0 and pf == 0
         return Verdict(same, extracted, "equivalent" if same else "mismatch")
-    same = compare_structures(to_structure(pred), to_structure(truth))
+    same = compare_structures(
+        to_structure(pred, _TEX_GROUP.match(strip_math_delimiters(extracted)) is not None),
+        to_structure(truth, _TEX_GROUP.match(strip_math_delimiters(ground_truth)) is not None),
+    )
     if same is not None:
         return Verdict(same, extracted, "equivalent" if same else "mismatch")
     if _TEXTY.match(truth) or _TEXTY.match(pred) or not pred:

@@ -672,6 +672,7 @@ CASES["sets_relations"] = [
     (B("x \\in [-2,7)"), "-2 \\le x \\le 7", False),
     (B("x \\in [-2,7]"), "-2 < x \\le 7", False),
     (B("{1,3}"), "(3,1)", False),
+    (B("{1,3}"), "[1,3]", False),  # a closed interval is no pair
     (B("(2,5),(2,7)"), "p=5,q=2;p=7,q=2", False),
     (B("(5,2)"), "p=5,q=2;p=7,q=2", False),
     (B("z \\in [1, \\frac{3}{2}]"), "1\\leq|z|\\leq \\frac{3}{2}", False),
