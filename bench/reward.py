@@ -12,34 +12,41 @@
    it is used in practice, and has no such cache.
 3. The labelled set graded by ours as one burst (every answer at once, as a GRPO step sends
    them) and one by one, cold caches both times: the grades must be identical.
-4. With ``--math-verify-tests DIR`` (a checkout of huggingface/Math-Verify's ``tests``;
-   nothing of it is stored here): agreement on its parametrized gold/prediction cases. The
-   cases are read from the test files' ``pytest.mark.parametrize`` decorators. Ours sees the
-   gold as a dataset ground truth (the final answer our extractor finds in it, else the text
-   without ``$``) and the prediction as a model response: as written when it has a
-   ``\\boxed``, else after ``Answer:``. Math-verify is run twice: on the same strings with
-   its default settings, and with each test's own settings (match types, precision,
-   strictness) — its own suite.
+4. Math-Verify's own parametrized gold/prediction cases, as data
+   (tests/data/reward_math_verify_cases.jsonl: the source commit in every row, its licence
+   beside it; tests/data/make_reward_math_verify_cases.py wrote it by parsing the test files,
+   never running them). Ours sees the gold as a dataset ground truth (the final answer our
+   extractor finds in it, else the text without ``$``) and the prediction as a model
+   response: as written when it has a ``\\boxed``, else after ``Answer:``. Math-verify is run
+   twice: on the same strings with its default settings, and with each test's own settings
+   (match types, precision, strictness) — its own suite. Precision, recall and F1 of each,
+   timeouts apart from wrong answers. Ours is scored against the labels of its own profile
+   (strict names, a set equals the relation describing it): the few rows labelled for the
+   other value of a setting take their twin's label, and are listed; the suite's labels as
+   written are shown too.
+5. With ``--baseline REF``: ours' throughput against the grader at git REF (a temporary
+   worktree), each in its own subprocess, alternating rounds, same cases and batch.
 
-Usage: ``python bench/reward.py [--quick] [--math-verify-tests PATH/TO/Math-Verify/tests]``
+Usage: ``python bench/reward.py [--quick] [--baseline main]``
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import json
-import math
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+# The grader's code: this tree, or (``--baseline``'s subprocess) another tree's.
+sys.path.insert(0, os.environ.get("BENCH_REWARD_CODE") or str(ROOT))
 
 from services.reward.exact import to_fraction  # noqa: E402
 from services.reward.extract import extract_answer  # noqa: E402
@@ -48,7 +55,7 @@ from services.reward.normalize import normalize, strip_math_delimiters  # noqa: 
 
 CASES = [
     json.loads(line)
-    for line in (Path(__file__).resolve().parents[1] / "tests" / "data" / "reward_cases.jsonl").open()
+    for line in (ROOT / "tests" / "data" / "reward_cases.jsonl").open()
 ]
 MV_TIMEOUT_S = 5  # math-verify's own default limit, for parsing and for verifying
 
@@ -134,44 +141,41 @@ def batch_of(items: list[dict], n: int) -> list[dict]:
     return [items[i % len(items)] for i in range(n)]
 
 
-# -- Math-Verify's own test suite ------------------------------------------------------------
-def _literal(node: ast.expr) -> Any:  # noqa: ANN401 - any literal of a test file
-    try:
-        return ast.literal_eval(node)
-    except ValueError:  # e.g. f"{math.sqrt(17):.15f}": a tiny expression of the math module
-        return eval(compile(ast.Expression(node), "<case>", "eval"), {"math": math})  # noqa: S307
+# -- Math-Verify's own test suite, as data --------------------------------------------------
+MV_CASES_PATH = ROOT / "tests" / "data" / "reward_math_verify_cases.jsonl"
+# The settings our grader implements, in Math-Verify's terms: strict variable names, and a set
+# equals the relation that describes it (``x \\in [-2,7]`` is ``-2 \\le x \\le 7``, both ways).
+OUR_PROFILE = {"strict": True, "allow_set_relation_comp": True}
 
 
-def _settings(fn: ast.FunctionDef, row: dict[str, Any]) -> dict[str, Any]:
-    """The math-verify settings a test passes to ``compare_strings`` (its helper), if any."""
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "compare_strings":
-            out: dict[str, Any] = {"match_types": ["latex", "expr"]}
-            for kw in node.keywords:
-                out[kw.arg or ""] = row[kw.value.id] if isinstance(kw.value, ast.Name) else _literal(kw.value)
-            return out
-    return {}  # parse() and verify() with their defaults
+def load_math_verify_cases() -> list[dict[str, Any]]:
+    """Math-Verify's parametrized cases (tests/data/make_reward_math_verify_cases.py wrote them)."""
+    return [json.loads(line) for line in MV_CASES_PATH.open()]
 
 
-def math_verify_suite(tests_dir: Path) -> list[dict[str, Any]]:
-    """Every parametrized (gold, pred, expected) case of math-verify's tests, with its settings."""
-    cases = []
-    for path in sorted(tests_dir.glob("test_*.py")):
-        for fn in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(fn, ast.FunctionDef):
-                continue
-            for dec in fn.decorator_list:
-                if not (isinstance(dec, ast.Call) and getattr(dec.func, "attr", "") == "parametrize"):
-                    continue
-                names = [n.strip() for n in _literal(dec.args[0]).split(",")]
-                if "gold" not in names or "pred" not in names:
-                    continue
-                for elt in dec.args[1].elts:  # type: ignore[attr-defined]
-                    row = dict(zip(names, _literal(elt), strict=True))
-                    expected = bool(row.get("expected", row.get("result")))
-                    cases.append({"test": f"{path.stem}::{fn.name}", "gold": row["gold"], "pred": row["pred"],
-                                  "expected": expected, "settings": _settings(fn, row)})
-    return cases
+def _in_profile(settings: dict[str, Any]) -> bool:
+    return all(settings.get(k, v) == v for k, v in OUR_PROFILE.items())
+
+
+def profile_labels(cases: list[dict[str, Any]]) -> tuple[list[bool], list[int]]:
+    """Each case's label under ``OUR_PROFILE``, and the indices that took another row's label.
+
+    A few (gold, pred) pairs appear twice with opposite labels, one per value of a setting
+    (``strict``, ``allow_set_relation_comp``); the row whose setting differs from our profile
+    takes its twin's label, so ours is scored against one consistent specification.
+    """
+    by_pair: dict[tuple[str, str], list[int]] = {}
+    for i, c in enumerate(cases):
+        by_pair.setdefault((c["gold"], c["pred"]), []).append(i)
+    labels, relabelled = [c["expected"] for c in cases], []
+    for idx in by_pair.values():
+        own = [i for i in idx if _in_profile(cases[i]["settings"] or {})]
+        if own and len({cases[i]["expected"] for i in idx}) > 1:
+            for i in idx:
+                if i not in own and labels[i] != cases[own[0]]["expected"]:
+                    labels[i] = cases[own[0]]["expected"]
+                    relabelled.append(i)
+    return labels, relabelled
 
 
 def as_dataset_case(gold: str, pred: str) -> tuple[str, str]:
@@ -204,32 +208,102 @@ def math_verify_own(case: dict[str, Any]) -> bool:
         return False
 
 
-def run_math_verify_suite(tests_dir: Path, ours: Ours, mv: MathVerify) -> None:
-    cases = math_verify_suite(tests_dir)
+def labelled_row(name: str, preds: list[bool], labels: list[bool], timeouts: int) -> str:
+    """One table row: right, precision, recall, F1, false accepts/rejects, timeouts apart."""
+    tp = sum(p and y for p, y in zip(preds, labels, strict=True))
+    fp = sum(p and not y for p, y in zip(preds, labels, strict=True))
+    fn = sum(y and not p for p, y in zip(preds, labels, strict=True))
+    precision = tp / (tp + fp) if tp + fp else 1.0
+    recall = tp / (tp + fn) if tp + fn else 1.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    right = len(labels) - fp - fn
+    return (f"| {name} | {right}/{len(labels)} | {precision:.4f} | {recall:.4f} | {f1:.4f} | {fp} | "
+            f"{fn - timeouts} | {timeouts} |")
+
+
+def run_math_verify_suite(ours: Ours, mv: MathVerify) -> None:
+    cases = load_math_verify_cases()
     items = []
     for c in cases:
         response, truth = as_dataset_case(c["gold"], c["pred"])
         items.append({"response": response, "ground_truth": truth})
     labels = [c["expected"] for c in cases]
-    ours_preds = [v.correct for v in ours.burst(items)[0]]
-    rows = {
-        "ours": ours_preds,
-        "math-verify (same strings, default settings)": [mv(i["response"], i["ground_truth"]) for i in items],
-        "math-verify (its own test settings)": [math_verify_own(c) for c in cases],
-    }
-    print(f"\nMath-Verify's test suite ({tests_dir}): {len(cases)} parametrized gold/prediction cases, "
-          f"{sum(not x for x in labels)} expected False\n")
-    print("| grader | agreement | false accepts | false rejects |")
-    print("|---|---|---|---|")
-    for name, preds in rows.items():
-        q = quality(preds, labels)
-        agree = round(q["accuracy"] * len(labels))
-        fa, fr = q["false_accepts"], q["false_rejects"]
-        print(f"| {name} | {agree}/{len(labels)} ({q['accuracy']:.3f}) | {fa} | {fr} |")
-    misses = Counter(
-        c["test"].split("::")[1] for c, p in zip(cases, ours_preds, strict=True) if p != c["expected"]
-    )
-    print("\nours, disagreements by test: " + ", ".join(f"{k} {v}" for k, v in misses.most_common()))
+    ours_labels, relabelled = profile_labels(cases)
+    verdicts = ours.burst(items)[0]
+    ours_preds = [v.correct for v in verdicts]
+    ours_timeouts = sum(v.reason == "timeout" and y for v, y in zip(verdicts, ours_labels, strict=True))
+    before = mv.timeouts
+    mv_default = [mv(i["response"], i["ground_truth"]) for i in items]
+    mv_default_timeouts = mv.timeouts - before
+    mv_own = [math_verify_own(c) for c in cases]
+    commit = cases[0]["source"].split("@")[1].split(":")[0]
+    print(f"\nMath-Verify's test suite (huggingface/Math-Verify@{commit}, {MV_CASES_PATH.name}): "
+          f"{len(cases)} parametrized gold/prediction cases, {sum(not x for x in labels)} expected False\n")
+    print("| grader | right | precision | recall | F1 | false accepts | false rejects (wrong) | timeouts |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(labelled_row("ours (labels of its profile)", ours_preds, ours_labels, ours_timeouts))
+    raw_timeouts = sum(v.reason == "timeout" and y for v, y in zip(verdicts, labels, strict=True))
+    print(labelled_row("ours (the suite's labels as written)", ours_preds, labels, raw_timeouts))
+    print(labelled_row("math-verify, its own per-case settings", mv_own, labels, 0))
+    print(labelled_row("math-verify, default settings (same strings as ours)", mv_default, labels,
+                       mv_default_timeouts))
+    print(f"\nours' profile {OUR_PROFILE}: {len(relabelled)} rows take their twin's label: "
+          + "; ".join(f"{cases[i]['gold']!r} vs {cases[i]['pred']!r} {cases[i]['settings']}"
+                      for i in relabelled))
+    misses = [(c, v) for c, v, y in zip(cases, verdicts, ours_labels, strict=True) if v.correct != y]
+    print("ours, disagreements with its profile's labels:")
+    for c, v in misses:
+        print(f"  {c['source'].split('::')[1]}: gold {c['gold'][:60]!r} pred {c['pred'][-60:]!r} "
+              f"label {not v.correct} ({v.reason})")
+
+
+# -- throughput against a baseline tree ---------------------------------------------------------
+def throughput(ours: Ours, batch: int) -> dict[str, float]:
+    """Ours' grades/s on batches of all cases, integer ground truths, plain-number answers."""
+    integer = [c for c in CASES if re.fullmatch(r"-?\d+", c["ground_truth"])]
+    numeric = [c for c in integer if to_fraction(normalize(extract_answer(c["response"]) or "0")) is not None]
+    ours(CASES)  # warm the parsers
+    out = {}
+    for name, items in (("all", CASES), ("integer", integer), ("numeric", numeric)):
+        ours.clear()
+        _, elapsed = ours(batch_of(items, batch))
+        out[name] = batch / elapsed
+    return out
+
+
+def compare_with_baseline(ref: str, batch: int, workers: int, rounds: int) -> None:
+    """Ours against the grader at git ``ref``, each in its own subprocess, alternating rounds.
+
+    The baseline's code comes from a temporary ``git worktree`` of ``ref``; both subprocesses
+    run this script (``--throughput-only``) on the same cases, one after the other, and the best
+    round of each counts (the machine is shared: the best round is the least disturbed).
+    """
+    tree = Path(tempfile.mkdtemp(prefix="reward-baseline-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref],
+                   check=True, capture_output=True)
+    try:
+        best: dict[str, dict[str, float]] = {"baseline": {}, "ours": {}}
+        for _ in range(rounds):
+            for name, code in (("baseline", tree), ("ours", ROOT)):
+                env = {**os.environ, "BENCH_REWARD_CODE": str(code), "PYTHONPATH": str(code)}
+                cmd = [sys.executable, __file__, "--throughput-only", f"--batch={batch}",
+                       f"--workers={workers}"]
+                out = subprocess.run(
+                    cmd,
+                    check=True, capture_output=True, text=True, env=env,
+                )
+                figures = json.loads(out.stdout.strip().splitlines()[-1])
+                for k, v in figures.items():
+                    best[name][k] = max(best[name].get(k, 0.0), v)
+        print(f"\nthroughput, ours against {ref} (best of {rounds} alternating rounds, batch {batch}, "
+              f"{workers} workers, grades/s):\n")
+        print("| cases | baseline | ours | ours / baseline |")
+        print("|---|---|---|---|")
+        for k in best["ours"]:
+            b, o = best["baseline"][k], best["ours"][k]
+            print(f"| {k} | {b:.0f} | {o:.0f} | {o / b:.2f} |")
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def main() -> None:
@@ -239,10 +313,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="batch of 128")
-    parser.add_argument("--math-verify-tests", type=Path, help="a checkout of Math-Verify's tests/ directory")
+    parser.add_argument("--baseline", metavar="REF", help="also time the grader at git REF (e.g. main)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds for --baseline")
+    parser.add_argument("--throughput-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.batch = 128
+    if args.throughput_only:  # --baseline's subprocess: ours' figures as one JSON line
+        ours = Ours(args.workers)
+        print(json.dumps(throughput(ours, args.batch)))
+        ours.close()
+        return
     labels = [c["correct"] for c in CASES]
     integer = [c for c in CASES if re.fullmatch(r"-?\d+", c["ground_truth"])]
     # the DAPO common case: integer ground truth and a plain-number (or no) answer
@@ -308,9 +389,10 @@ def main() -> None:
         f"({len(CASES) / t_burst:.0f}/s); one by one: {t_single:.2f} s; grades identical: {same}; "
         f"timeouts over all runs: {ours.grader.pool.timeouts}"
     )
-    if args.math_verify_tests:
-        run_math_verify_suite(args.math_verify_tests, ours, mv)
+    run_math_verify_suite(ours, mv)
     ours.close()
+    if args.baseline:
+        compare_with_baseline(args.baseline, args.batch, args.workers, args.rounds)
 
 
 if __name__ == "__main__":

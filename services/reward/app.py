@@ -115,17 +115,19 @@ def create_app(cfg: RewardConfig) -> FastAPI:
         out = []
         for req, verdict in zip(items, verdicts, strict=True):
             value, shaping = score(verdict, req.num_tool_calls, cfg)
+            train = not (verdict.reason == "timeout" and cfg.timeout_policy == "drop")
             metrics.latency.observe(elapsed)
             metrics.grades.labels(verdict.reason).inc()
             if verdict.reason == "timeout":
                 metrics.timeouts.inc()
             out.append(
                 ScoreResult(
-                    score=value,
+                    score=value if train else None,
                     correct=verdict.correct,
                     extracted=verdict.extracted,
                     reason=verdict.reason,
-                    shaping=shaping,
+                    shaping=shaping if train else 0.0,
+                    train=train,
                 )
             )
         return out

@@ -11,7 +11,12 @@ A ratio ``a:b`` is ``a/b``; ``undefined`` spots a plain division by zero (``12:0
 ``compare_structures`` decides lists, sets, tuples, intervals and matrices whose elements are
 all such numbers (or ``\\infty``), with the symbolic path's rules: ``\\{…\\}`` and bare comma
 lists are unordered, ``(…)``/``[…]`` are ordered with their brackets (two items in different
-brackets: different intervals, or an interval and a pair), a matrix equals only a matrix of the same
+brackets: different intervals, or an interval and a pair; an item may be a decimal that
+``numeric``'s rounding rule ties to the other's exact item: ``(0.6,2.6667]`` is
+``(\\frac35,\\frac83]``), a list written in a TeX group (``{1,3}``:
+braces without a backslash, not a set) against a parenthesised tuple compares in order
+(``(1,3)`` yes, ``(3,1)`` no); a bare ``1,3`` against ``(1,3)`` stays undecided (it may be an
+interval); a matrix equals only a matrix of the same
 shape (``pmatrix``, ``bmatrix``, ``matrix`` or ``array`` alike), a structure is never a single
 number. Whatever it is unsure of (duplicates, a set against a sequence, non-numeric elements)
 is None: left to the symbolic path, never guessed.
@@ -22,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+
+from services.reward import numeric
 
 _NUM = r"[+-]?(?:\d+\.?\d*|\.\d+)"
 _PLAIN = re.compile(rf"^{_NUM}$")
@@ -100,6 +107,8 @@ class Structure:
     kind: str  # "set" (unordered: \\{…\\} or a bare list) or "seq" (tuple / interval)
     brackets: str  # "" for sets, else the opening and closing bracket, e.g. "[)"
     items: tuple[Fraction | str, ...]  # str: "+inf" / "-inf" (interval ends)
+    texts: tuple[str, ...] = ()  # the items as written (for ``numeric``'s rounding rule)
+    tex_group: bool = False  # written ``{1,3}``: braces without a backslash, a TeX group
 
 
 def _split_top_level(s: str) -> list[str] | None:
@@ -126,8 +135,11 @@ def _numbers(parts: list[str]) -> tuple[Fraction | str, ...] | None:
     return None if any(v is None for v in values) else values  # type: ignore[return-value]
 
 
-def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
-    """A list/set/tuple/interval/matrix of exact numbers, a parenthesised number, or None."""
+def to_structure(s: str, tex_group: bool = False) -> Structure | NumericMatrix | Fraction | None:
+    """A list/set/tuple/interval/matrix of exact numbers, a parenthesised number, or None.
+
+    ``tex_group``: the answer was written as ``{…}`` (which normalising took off).
+    """
     if "\\begin" in s:
         return to_matrix(s)
     if s.startswith("\\{") and s.endswith("\\}"):
@@ -136,6 +148,7 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         kind, brackets, inner = "seq", s[0] + s[-1], s[1:-1]
     else:
         kind, brackets, inner = "set", "", s
+    tex_group = tex_group and kind == "set" and not s.startswith("\\{")
     parts = _split_top_level(inner)
     if not parts:
         return None
@@ -144,10 +157,19 @@ def to_structure(s: str) -> Structure | NumericMatrix | Fraction | None:
         return None
     if len(values) == 1:
         return values[0] if isinstance(values[0], Fraction) else None  # "(3)" is 3
-    return Structure(kind, brackets, values)
+    return Structure(kind, brackets, values, tuple(parts), tex_group)
 
 
 Exact = Structure | NumericMatrix | Fraction
+
+
+def _same_item(x: Fraction | str, x_text: str, y: Fraction | str, y_text: str) -> bool:
+    """Equal items, or a decimal that is the other (exact) item rounded (``numeric``)."""
+    if x == y:
+        return True
+    if isinstance(x, str) or isinstance(y, str):
+        return False
+    return numeric.approximates(x_text, x, y_text, y)
 
 
 def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
@@ -163,10 +185,15 @@ def compare_structures(a: Exact | None, b: Exact | None) -> bool | None:
     assert isinstance(a, Structure) and isinstance(b, Structure)
     if a.kind == b.kind == "seq" and a.brackets != b.brackets and len(a.items) == len(b.items) == 2:
         return False  # [1,2] vs [1,2): other openness; (1,2) vs [1,2]: other interval or a tuple
+    grouped = a.tex_group or b.tex_group
+    if grouped and {a.brackets, b.brackets} == {"", "()"} and len(a.items) == len(b.items):
+        return a.items == b.items  # "{1,3}" (a TeX group: the list 1,3) is the pair (1,3), in order
     if a.kind != b.kind or a.brackets != b.brackets:
         return None
     if a.kind == "seq":
-        return a.items == b.items
+        return len(a.items) == len(b.items) and all(
+            _same_item(x, xt, y, yt) for x, xt, y, yt in zip(a.items, a.texts, b.items, b.texts, strict=True)
+        )
     if len(set(a.items)) != len(a.items) or len(set(b.items)) != len(b.items):
         return None  # duplicates: leave multiset-vs-set questions to the symbolic path
     return set(a.items) == set(b.items)

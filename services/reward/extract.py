@@ -10,12 +10,14 @@ never part of an answer.
 
 One answer in several parts is one answer: boxes (or ``$…$`` spans of an answer line) that
 follow each other with nothing but separators between them (spaces, commas, ``and``/``or``,
-``\\quad``, math delimiters) are joined with commas: ``\\boxed{(2,2)} \\quad\\text{and}\\quad
+``\\quad``, math delimiters, a ``\\text{ for part (a) and }``) are joined with commas:
+``\\boxed{(2,2)} \\quad\\text{and}\\quad
 \\boxed{(6,2)}`` → ``(2,2), (6,2)``; a short label right before a joined box is kept
 (``y_1 = \\boxed{a}`` and ``y_2 = \\boxed{b}`` → ``y_1 = a, y_2 = b``). Words between
 boxes end the group: "I first got \\boxed{3} but then \\boxed{5}" answers 5. In an answer
 line with words around math (``Answer: The area is $12$.``) the math is the answer, when
-it is one group and no number stands outside it ("it is $3$, not $4$" is left as written).
+it is one group and no number stands outside it; otherwise a prose line answers with the value
+it states (``prose``: "The largest $n$ is 34." → 34, "it is $3$, not $4$" → 3).
 
 Invariant: extraction is linear in the response length (no per-match rescans, no
 backtracking regex over a line, only the last candidate of each form is ever read out),
@@ -27,6 +29,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import re
+
+from services.reward import prose
 
 _TOOL_BLOCKS = re.compile(r"<(code|interpreter|tool_call|tool_response)>.*?(</\1>|$)", re.S)
 _ANSWER_HEAD = re.compile(r"\banswer[ \t*_]*[:：][ \t*_]*", re.I)
@@ -40,7 +44,8 @@ _BRACES = re.compile(r"[{}]")
 # or rejected by the length check first).
 _CONNECTOR = re.compile(
     r"(?:\s|[,;&.]|\$|\\[()\[\]]|\\q?quad|\\[,;:! ]|~|\\\\|\band\b|\bor\b"
-    r"|\\(?:text|textnormal|mbox|mathrm)\s*\{\s*(?:,|and|or|,\s*and)?\s*\})*",
+    r"|\\(?:text|textnormal|mbox|mathrm)\s*\{\s*(?:,|and|or|,\s*and)?\s*\}"
+    r"|\\(?:text|textnormal|mbox|mathrm)\s*\{\s*,?\s*for\s+part\s+\(?[a-z0-9]\)?\s*,?\s*(?:and)?\s*\})*",
     re.I,
 )
 _MAX_GAP = 80
@@ -205,6 +210,13 @@ def _with_display_math(text: str, line_start: int, line: str) -> str:
     return line
 
 
+def _prose_or(line: str) -> str:
+    """The value a prose line states (``prose``'s rules), else the line as written."""
+    if not prose.is_prose(line):
+        return line
+    return prose.stated_value(line) or line
+
+
 def _from_line(line: str) -> str:
     """An answer line's answer: its boxes, else its math when words surround it, else itself."""
     boxes = boxed_spans(line)
@@ -213,14 +225,14 @@ def _from_line(line: str) -> str:
     found = itertools.islice(_MATH_SPAN.finditer(line), _MAX_PARTS + 1)
     spans = [(m.start(), m.end(), next(g for g in m.groups() if g)) for m in found]
     if not spans or len(spans) > _MAX_PARTS:
-        return line
+        return _prose_or(line)
     before, after = line[: spans[0][0]].strip(), line[spans[-1][1] :].strip(" .")
     if not before and not after and len(spans) == 1:
         return line  # "$17$": the delimiters go later
     if any(ch.isdigit() for ch in _MATH_SPAN.sub(" ", line)):
-        return line  # "The largest $n$ is 34": numbers outside the math, no guessing
+        return _prose_or(line)  # "The largest $n$ is 34": numbers outside the math
     if _group(line, spans, leading=not before) != (0, len(spans) - 1):
-        return line  # "it is $3$, not $4$": words between the math, no guessing
+        return _prose_or(line)  # "it is $3$, not $4$": words between the math
     return join_parts(line, spans, leading=not before)
 
 

@@ -1,4 +1,4 @@
-"""Grade a response against a ground truth: extract → normalise → shape → exact → symbolic.
+"""Grade a response against a ground truth: extract → normalise → forms → shape → exact → symbolic.
 
 Invariant: every grade ends in one of the ``Reason`` values; only ``exact``,
 ``equivalent`` are correct. The shape step (labels, chains, relations, labelled lists) only
@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Literal
 
-from services.reward import exact_special
+from services.reward import exact_special, forms, numeric
 from services.reward.exact import compare_structures, to_fraction, to_structure, undefined
 from services.reward.extract import extract_answer
-from services.reward.normalize import normalize
+from services.reward.normalize import normalize, strip_math_delimiters
 from services.reward.shape import align
 from services.reward.workers import SymbolicPool
 
 Reason = Literal["exact", "equivalent", "mismatch", "no_answer", "timeout", "invalid_ground_truth"]
 MAX_ANSWER_CHARS = 1000
+_TEX_GROUP = re.compile(r"^\{[^{}]*,[^{}]*\}$")  # "{1,3}": a TeX group around a list
 _TEXTY = re.compile(r"^[a-z][a-z ]+$")  # words; a single letter may be a variable or i
 
 
@@ -58,7 +59,8 @@ def fast_grade(
     truth = normalize(ground_truth)
     if not truth:
         return Verdict(False, extracted, "invalid_ground_truth")
-    pred = normalize(extracted)
+    pred, truth = forms.rewrite(normalize(extracted)), forms.rewrite(truth)
+    pred, truth = numeric.decimal_comma(pred, truth, extracted, ground_truth)
     if pred == truth:
         return Verdict(True, extracted, "exact")
     aligned = align(pred, truth)
@@ -71,12 +73,19 @@ def fast_grade(
         return Verdict(False, extracted, "mismatch")  # a division by zero is never a value
     tf, pf = to_fraction(truth), to_fraction(pred)
     if tf is not None and pf is not None:
-        return Verdict(tf == pf, extracted, "exact" if tf == pf else "mismatch")
+        if tf == pf:
+            return Verdict(True, extracted, "exact")
+        close = numeric.approximates(pred, pf, truth, tf)  # 0.0833333333333333 for 1/12
+        return Verdict(close, extracted, "equivalent" if close else "mismatch")
     if (tf is None) != (pf is None):  # one side a plain number: √n, log_b a, ln a decided exactly
-        other = exact_special.value(pred if tf is not None else truth)
+        number_text, other_text = (truth, pred) if tf is not None else (pred, truth)
+        other = exact_special.value(other_text)
         number = tf if tf is not None else pf
         if isinstance(other, Fraction):
-            return Verdict(other == number, extracted, "equivalent" if other == number else "mismatch")
+            same = other == number or numeric.rounds_to(number_text, other)
+            return Verdict(same, extracted, "equivalent" if same else "mismatch")
+        if numeric.places(number_text, numeric.MIN_SIGNIFICANT_IRRATIONAL) is not None:
+            return Pending(extracted, pred, truth)  # √17 against 4.123105625617661: by rounding
         if other == exact_special.IRRATIONAL:
             return Verdict(False, extracted, "mismatch")
     p_pi, t_pi = exact_special.pi_coefficient(pred), exact_special.pi_coefficient(truth)
@@ -86,7 +95,10 @@ def fast_grade(
     if t_pi is not None and pf is not None:
         same = t_pi == 0 and pf == 0
         return Verdict(same, extracted, "equivalent" if same else "mismatch")
-    same = compare_structures(to_structure(pred), to_structure(truth))
+    same = compare_structures(
+        to_structure(pred, _TEX_GROUP.match(strip_math_delimiters(extracted)) is not None),
+        to_structure(truth, _TEX_GROUP.match(strip_math_delimiters(ground_truth)) is not None),
+    )
     if same is not None:
         return Verdict(same, extracted, "equivalent" if same else "mismatch")
     if _TEXTY.match(truth) or _TEXTY.match(pred) or not pred:

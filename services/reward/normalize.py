@@ -3,7 +3,8 @@
 Invariant: normalisation only removes presentation (spacing macros, ``\\left``/``\\right``,
 ``\\dfrac``, text wrappers, units, degree marks, dollar and percent signs, thousands
 separators, trailing periods, letter case of text answers), spells relations one way
-(``<=``, ``\\le`` → ``\\leq``), turns the words "and"/"or" between parts into commas and puts
+(``<=``, ``\\le``, an over-escaped ``\\\\le`` → ``\\leq``), turns the words
+ "and"/"or" between parts into commas and puts
 braces on TeX shorthand (``\\sqrt3``, ``\\frac12``). It never changes a value and never
 guesses between a list and a number: only ``1,000``-style groups (1-3 digits, then groups of
 exactly 3, no space after a comma) are one number; ``32, 349`` stays a list of two.
@@ -91,7 +92,7 @@ _WRAPPED_UNIT = re.compile(
 _UNITS = re.compile(rf"(?:(?<=[\d}}).])|(?<=\\pi))\s*(?:{_UNIT_ALT}){_POWER}$", re.I)
 _TEXT_CONNECTIVE = re.compile(rf"\\(?:{_WRAPPER_NAMES})\s*\{{\s*(,?\s*(?:and|or)|,)\s*\}}")
 _CONNECTIVE = re.compile(r"(?<=\S)\s*,?\s*\b(?:and|or)\b\s*(?=\S)")
-_THOUSANDS = re.compile(r"^[+-]?\d{1,3}(?:(?:,|\s*\{,\}\s*)\d{3})+(?:\.\d+)?$")
+_THOUSANDS = re.compile(r"^[+-]?[1-9]\d{0,2}(?:(?:,|\s*\{,\}\s*)\d{3})+(?:\.\d+)?$")  # "0,111": no
 _TEX_COMMA = re.compile(r"\{\s*,\s*\}")  # "{,}" and "{, }": TeX's comma without a space after it
 # Relations, one spelling each; "\le" only as a whole macro (not "\left", "\leq").
 _RELATIONS = (
@@ -107,6 +108,9 @@ _WHITESPACE = re.compile(r"(\\[a-zA-Z]+)\s+(?=[a-zA-Z])|\s+")
 _SQRT_TOKEN = re.compile(r"\\sqrt ?([0-9a-zA-Z])")
 _LOG_BASE_TOKEN = re.compile(r"\\log_([0-9a-zA-Z])")
 _FRAC_TOKENS = re.compile(r"\\frac ?(\{[^{}]*\}|[0-9a-zA-Z]) ?(\{[^{}]*\}|[0-9a-zA-Z])")
+_OVER_ESCAPED = re.compile(
+    r"\\\\(?=(?:le|ge|leq|geq|neq|in|cup|cap|infty|frac|sqrt|pi|text|boxed)(?![a-zA-Z]))"
+)
 _EMPTY_SET = re.compile(r"\\varnothing|\\\{\\\}|\\O(?![a-zA-Z])")
 _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
@@ -138,6 +142,8 @@ def _outer_braces(s: str) -> str:
 
 def normalize(answer: str) -> str:
     s = strip_math_delimiters(answer).replace("\\$", "").replace("$", " ")
+    if "\\begin" not in s:  # "\\\\le": an over-escaped macro, never a line break before "le"
+        s = _OVER_ESCAPED.sub(r"\\", s)
     s = s.replace("\\left", "").replace("\\right", "").replace("\\displaystyle", "")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     for pattern, spelling in _RELATIONS:

@@ -2,7 +2,9 @@
 
 Rules, strict on purpose (a close-looking wrong answer must be wrong):
 - numbers compare exactly: decimals become exact rationals (``0.5 == 1/2``,
-  ``0.333 != 1/3``, ``3.14 != \\pi``); no relative tolerance, no ×100 percent tricks;
+  ``0.333 != 1/3``, ``3.14 != \\pi``); no relative tolerance, no ×100 percent tricks; the one
+  exception is ``numeric``'s rounding rule: a decimal of at least 15 significant digits
+  against a constant (``4.123105625617661`` is ``\\sqrt{17}`` rounded to its places);
 - expressions are equal when their difference simplifies to 0 (``\\sqrt{12} == 2\\sqrt{3}``);
 - sets and bare comma lists compare as multisets, tuples and matrices element-wise,
   intervals by endpoints and openness; set expressions (``\\{1,3\\}\\cup\\{2,4\\}``) are
@@ -23,6 +25,8 @@ import functools
 
 import sympy
 from latex2sympy2_extended import latex2sympy
+
+from services.reward import numeric
 
 _I = sympy.Symbol("i")
 
@@ -244,6 +248,19 @@ def _multiset_equal(xs: list[object], ys: list[object]) -> bool:
     return True
 
 
+def _rounds_to(decimal: str, exact: str) -> bool:
+    """``numeric``'s approximation rule against a constant expression (``\\sqrt{17}``)."""
+    try:
+        value = parse(exact)
+        if not isinstance(value, sympy.Expr) or value.free_symbols or not value.is_real:
+            return False
+        n = numeric.places(decimal, numeric.MIN_SIGNIFICANT_IRRATIONAL) or 0
+        estimate = sympy.Rational(str(sympy.N(value, n + 30)))
+        return bool(abs(sympy.Rational(decimal) - estimate) <= sympy.Rational(1, 2 * 10**n))
+    except Exception:  # noqa: BLE001 - unparsable or not a number: not equivalent
+        return False
+
+
 def _as_value(s: str) -> object:
     """A bare top-level comma list (``1, 2``) is an unordered list of answers."""
     parts = _split_top_level(s)
@@ -255,6 +272,10 @@ def _as_value(s: str) -> object:
 @functools.lru_cache(maxsize=4096)
 def symbolic_equal(pred: str, truth: str) -> bool:
     """Cached per worker: a prompt's samples often repeat the same answer (pure function)."""
+    for decimal, other in ((pred, truth), (truth, pred)):
+        long_decimal = numeric.places(decimal, numeric.MIN_SIGNIFICANT_IRRATIONAL) is not None
+        if long_decimal and not numeric.is_decimal(other):
+            return _rounds_to(decimal, other)
     try:
         a, b = _as_value(pred), _as_value(truth)
     except Exception:  # noqa: BLE001 - unparsable answer: not equivalent

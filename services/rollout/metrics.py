@@ -10,6 +10,18 @@ from services.common.schemas import Trajectory
 from services.rollout.agent.loop import AgentObserver
 
 TURN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+GRADE_OUTCOMES = ("correct", "wrong", "no_answer", "timeout", "timeout_dropped")
+
+
+def grade_outcome(traj: Trajectory) -> str | None:
+    """How a response's grade counts: a timeout is never a wrong answer; None when ungraded."""
+    if traj.reward_reason is None:
+        return None
+    if traj.reward_reason == "timeout":
+        return "timeout" if traj.reward is not None else "timeout_dropped"
+    if traj.correct:
+        return "correct"
+    return "no_answer" if traj.reward_reason == "no_answer" else "wrong"
 
 
 class RolloutMetrics(AgentObserver):
@@ -27,6 +39,15 @@ class RolloutMetrics(AgentObserver):
         self.trajectories = r.counter(
             "trajectories_total", "Finished responses by finish reason", ("reason",)
         )
+        self.grades = r.counter(
+            "grades_total",
+            "Graded responses by outcome: correct, wrong, no_answer, timeout (scored incorrect), "
+            "timeout_dropped (timeout_policy=drop: no reward); reward outages are "
+            "requests_total{outcome=reward_error}, never a grade",
+            ("outcome",),
+        )
+        for outcome in GRADE_OUTCOMES:
+            self.grades.labels(outcome)
         self.weight_version = r.gauge("weight_version", "Policy version of the loaded weights")
         self.weight_load = r.histogram(
             "weight_load_seconds",
@@ -58,6 +79,9 @@ class RolloutMetrics(AgentObserver):
     def response_done(self, traj: Trajectory) -> None:
         self.turns.observe(traj.turns)
         self.trajectories.labels(traj.finish_reason).inc()
+        outcome = grade_outcome(traj)
+        if outcome is not None:
+            self.grades.labels(outcome).inc()
         ok = traj.tool_calls - traj.tool_errors
         if ok:
             self.tool_calls.labels("ok").inc(ok)

@@ -10,7 +10,9 @@ Invariants:
   no acknowledged group is lost and none is applied twice. Committing after every step
   instead keeps Redis small but loses the steps since the last checkpoint on a crash;
 - a batch that no step used is ``release``d: left pending and unseen, delivered again;
-- a group dropped as stale, malformed or by a filter (dynamic sampling) gives its admission slot
+- a group dropped as stale, malformed, by a filter (dynamic sampling) or as ``reward_timeout`` (a
+  response graded with no reward under the reward service's ``timeout_policy=drop``: the whole
+  group goes, so no response's advantage is computed against a baseline missing one) gives its admission slot
   back (``StalenessManager.release``) and its ``job_id`` is remembered as seen, so a second copy
   is a duplicate; a duplicate (same ``job_id``, at-least-once delivery) changes no state. Drops
   are counted by reason and acknowledged with the next ``commit()`` (like used groups): a crash
@@ -293,6 +295,8 @@ class GroupReader:
                     reason = "duplicate"
                 elif self.manager.is_stale(group_version(group)):
                     reason = "stale"
+                elif any(t.reward is None and t.reward_reason == "timeout" for t in group.trajectories):
+                    reason = "reward_timeout"  # timeout_policy=drop: no reward to train on
                 elif keep is not None and not keep(group):
                     reason = "filtered"
                 if reason is not None:

@@ -39,7 +39,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 LEDGER_FILE = "ledger.jsonl"
-DropReason = Literal["stale", "filtered", "malformed", "dead_lettered"]
+DropReason = Literal["stale", "filtered", "malformed", "dead_lettered", "reward_timeout"]
 
 
 class Record(BaseModel):

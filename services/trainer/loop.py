@@ -314,6 +314,7 @@ class Trainer:
         stats["rollout/turns_mean"] = sum(t.turns for t in trajs) / len(trajs)
         stats["rollout/tool_calls_mean"] = sum(t.tool_calls for t in trajs) / len(trajs)
         stats["rollout/accuracy"] = sum(bool(t.correct) for t in trajs) / len(trajs)
+        stats["rollout/reward_timeouts"] = float(sum(t.reward_reason == "timeout" for t in trajs))
         stats["rollout/tool_use_rate"] = sum(t.tool_calls > 0 for t in trajs) / len(trajs)
         stats.update({f"rollout/{k}": v for k, v in tool_curves(trajs).items() if v is not None})
         from services.trainer.observability import queue_stats

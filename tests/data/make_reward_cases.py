@@ -607,6 +607,83 @@ CASES["answer_line_math"] = [
     (A("Since $x=2$, we get $y=5$."), "2", False),
     (A("$x = 2$ or $x = 3$"), "2", False),
 ]
+# Issue #37's recall rules: each right answer it now accepts, beside the wrong answers that
+# look like it (false-accept probes). Labels by reading, as everywhere in this file.
+CASES["decimal_comma"] = [
+    (A("1000,99"), "1000.99", True),
+    (A("2,74"), "2.74", True),
+    (A("0,111"), "0.111", True),
+    (B("1.22"), "1,22", True),
+    (A("1,222"), "1.222", False),  # three digits after the comma: thousands, never a guess
+    (A("1, 22"), "1.22", False),  # a space after the comma: a list
+    (A("1000,98"), "1000.99", False),
+    (A("2,47"), "2.74", False),
+    (A("1,22"), "12.2", False),
+    (B("1.22"), "1, 22", False),  # the gold is a list: no decimal reading
+]
+CASES["prose_value"] = [
+    ("Final Answer: The largest $n$ is 34.", "34", True),
+    (A("the number is not 10 which is 1,000.99€"), "1000.99", True),
+    (A("so the number is 10 which is 1,000.99m²"), "1000.99", True),
+    ("Final Answer: Jane started growing Sphere 3 hours ago. I hope it is correct.", "3", True),
+    (A("First $x = 4$. Therefore, the probability that Alice wins is 2/3"), "2/3", True),
+    (A("The answer is $3$, not $4$."), "3", True),
+    (A("The answer is $3$, not $4$."), "4", False),  # the negated value is never the answer
+    (A("It is 12 or 13, I am not sure."), "13", False),  # a hedge picks nothing
+    (A("It is 12 or 13, I am not sure."), "12", False),
+    (A("We have 5 apples and 3 pears"), "3", False),  # several values, no statement verb
+    (A("First we get 7. Then the answer is 8."), "7", False),  # only the last sentence
+    ("Final Answer: The largest $n$ is 34.", "35", False),
+    (A("The number is not 10 which is 1,000.99€"), "10", False),
+]
+CASES["approximation"] = [
+    (B("0.0833333333333333"), "\\frac{1}{12}", True),
+    (B("2.6667"), "\\frac{8}{3}", True),
+    (B("\\sqrt{17}"), "4.123105625617661", True),
+    (B("4.123105625617661"), "\\sqrt{17}", True),
+    (B("(0.6,2.6667]"), "(\\frac{3}{5},\\frac{8}{3}]", True),
+    (B("0.33"), "\\frac{1}{3}", False),  # too few significant digits
+    (B("0.3333"), "\\frac{1}{3}", False),
+    (B("2.6666"), "\\frac{8}{3}", False),  # not the rounding
+    (B("0.1250001"), "\\frac{1}{8}", False),  # 1/8 needs no rounding: only 0.125 is it
+    (B("3.14159"), "\\pi", False),  # an irrational needs a double's digits
+    (B("4.12310562561767"), "\\sqrt{17}", False),  # 15 digits, not the rounding
+    (B("4.1231056256"), "\\sqrt{17}", False),  # the rounding, too few digits
+    (B("4.123105625617662"), "\\sqrt{17}", False),
+    (B("2.66667"), "2.6667", False),  # two decimals: exact
+    (B("(0.6,2.6667)"), "(\\frac{3}{5},\\frac{8}{3}]", False),
+    (
+        B("\\begin{pmatrix}0.33\\\\0.2\\end{pmatrix}"),
+        "\\begin{pmatrix}\\frac{1}{3}\\\\\\frac{1}{5}\\end{pmatrix}",
+        False,
+    ),
+]
+CASES["sets_relations"] = [
+    (B("x \\in [-2,7]"), "-2 \\le x \\le 7", True),
+    (B("-2 \\le x \\le 7"), "x \\in [-2,7]", True),
+    (B("-2 \\\\le x \\\\le 7"), "x \\in [-2,7]", True),
+    (B("{1,3}"), "(1,3)", True),
+    (B("(5,2),(7,2)"), "p=5,q=2;p=7,q=2", True),
+    (
+        B("z \\in \\left[-\\frac{3}{2}, -1\\right] \\cup \\left[1, \\frac{3}{2}\\right]"),
+        "1\\leq|z|\\leq \\frac{3}{2}",
+        True,
+    ),
+    (B("x \\in [-2,7)"), "-2 \\le x \\le 7", False),
+    (B("x \\in [-2,7]"), "-2 < x \\le 7", False),
+    (B("{1,3}"), "(3,1)", False),
+    (B("{1,3}"), "[1,3]", False),  # a closed interval is no pair
+    (B("(2,5),(2,7)"), "p=5,q=2;p=7,q=2", False),
+    (B("(5,2)"), "p=5,q=2;p=7,q=2", False),
+    (B("z \\in [1, \\frac{3}{2}]"), "1\\leq|z|\\leq \\frac{3}{2}", False),
+    (B("z \\in (-\\frac{3}{2}, -1) \\cup (1, \\frac{3}{2})"), "1\\leq|z|\\leq \\frac{3}{2}", False),
+]
+CASES["boxes_parts"] = [
+    ("$$\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 1)}$$", "(3, 3), (1, 1)", True),
+    ("$$\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 1)}$$", "(1, 1)", False),
+    ("$$\\boxed{(3, 3)} \\text{ for part (a) and } \\boxed{(1, 2)}$$", "(3, 3), (1, 1)", False),
+]
+
 
 def main() -> None:
     out = Path(__file__).with_name("reward_cases.jsonl")

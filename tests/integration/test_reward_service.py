@@ -29,6 +29,25 @@ def reward_url(tmp_path_factory):
         yield proc.url
 
 
+def test_math_verify_classes_through_the_service(reward_url):
+    """Issue 37's classes over HTTP, with a wrong twin each (a false accept would be a reward hack)."""
+    pairs = [
+        ("Answer: 1000,99", "1000.99", True),
+        ("Final Answer: The largest $n$ is 34.", "34", True),
+        ("\\boxed{0.0833333333333333}", "\\frac{1}{12}", True),
+        ("\\boxed{x \\in [-2,7]}", "-2 \\le x \\le 7", True),
+        ("\\boxed{(5,2),(7,2)}", "p=5,q=2;p=7,q=2", True),
+        ("Answer: 1000,98", "1000.99", False),
+        ("Final Answer: The largest $n$ is 34.", "35", False),
+        ("\\boxed{0.33}", "\\frac{1}{3}", False),
+        ("\\boxed{x \\in [-2,7)}", "-2 \\le x \\le 7", False),
+        ("\\boxed{(2,5),(2,7)}", "p=5,q=2;p=7,q=2", False),
+    ]
+    items = [{"response": r, "ground_truth": t} for r, t, _ in pairs]
+    got = httpx.post(f"{reward_url}/score/batch", json={"items": items}, timeout=60).json()["results"]
+    assert [g["correct"] for g in got] == [want for _, _, want in pairs]
+
+
 def test_score_contract(reward_url):
     r = httpx.post(
         f"{reward_url}/score", json={"response": "so \\boxed{\\dfrac{1}{2}}", "ground_truth": "0.5"}
@@ -52,6 +71,7 @@ def test_score_contract(reward_url):
         "extracted": "100",
         "reason": "mismatch",
         "shaping": 0.0,
+        "train": True,
     }
     none = httpx.post(f"{reward_url}/score", json={"response": "no idea", "ground_truth": "1"}).json()
     assert none["extracted"] is None and none["reason"] == "no_answer" and none["score"] == -1.0
@@ -76,6 +96,7 @@ def test_pathological_answer_times_out_and_service_stays_healthy(reward_url):
         timeout=30,
     ).json()
     assert r["reason"] == "timeout" and r["correct"] is False
+    assert r["score"] == -1.0 and r["train"] is True  # timeout_policy=incorrect, the default
     assert time.monotonic() - start < WALL_FACTOR * 1.5  # 1.5 CPU seconds; wall time stretches with load
     assert httpx.get(f"{reward_url}/healthz").json()["status"] == "ok"
     again = httpx.post(

@@ -169,8 +169,8 @@ def test_a_list_is_a_number_only_by_the_thousands_rule(pred, truth, correct):
         ("Answer: 5\nAnswer:\n", "5"),
         ("Answer: The area is $12$ square units.", "12"),
         ("Answer: $x = 2$ or $x = 3$", "x = 2, x = 3"),
-        ("Answer: The answer is $3$, not $4$.", "The answer is $3$, not $4$"),  # no guessing
-        ("Answer: The largest $n$ is 34.", "The largest $n$ is 34"),
+        ("Answer: The answer is $3$, not $4$.", "3"),  # the negated value is dropped
+        ("Answer: The largest $n$ is 34.", "34"),
         ("Answer:\n\\[\n17\n\\]", "17"),  # display math over several lines
         ("Answer: the value is \\[\n  \\frac{1}{2}\n\\] as shown", "\\frac{1}{2}"),
         ("The final answer is $14{,}916$. I hope it is correct. Note: 3 and 4 divide it.", "14{,}916"),

@@ -317,7 +317,9 @@ class AgentLoop:
             # the grader sees the text without special tokens (EOS, chat markers)
             clean = self.tokenizer.decode(st.response_ids, skip_special_tokens=True)
             res = await self._score(clean, ground_truth, st.tool_calls, data_source)
-            reward, correct, extracted, reason = float(res.score), res.correct, res.extracted, res.reason
+            correct, extracted, reason = res.correct, res.extracted, res.reason
+            # timeout_policy=drop: no reward at all (the trainer drops the group), never a guess
+            reward = float(res.score) if getattr(res, "train", True) else None
         return Trajectory(
             index=index,
             response_ids=st.response_ids,

@@ -13,11 +13,13 @@ class ScoreRequest(BaseModel):
 
 
 class ScoreResult(BaseModel):
-    score: float
+    score: float | None = Field(description="null only when train is false")
     correct: bool
     extracted: str | None
     reason: str
     shaping: float = Field(0.0, description="part of score that comes from shaping, not correctness")
+    train: bool = Field(
+        True, description="false: the grade timed out under timeout_policy=drop; train with no reward")
 
 
 class BatchRequest(BaseModel):
