@@ -20,9 +20,9 @@ from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import Executor, QueueFull, QueueTimeout
 from services.sandbox.phases import PHASES
-from services.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus
 from services.sandbox.session_api import SessionAPI
 from services.sandbox.sessions import SessionRegistry
+from services.transport.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus
 
 
 class SandboxMetrics:

@@ -25,7 +25,8 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import POD_NAME, to_response
 from services.sandbox.limits import resolve_limits
 from services.sandbox.protocol import RunOutcome
-from services.sandbox.schemas import (
+from services.sandbox.sessions import SessionEnded, SessionLimit, SessionRegistry, SessionUnknown
+from services.transport.sandbox.schemas import (
     CellRunResult,
     CommandRunResult,
     CommandRunStatus,
@@ -37,7 +38,6 @@ from services.sandbox.schemas import (
     SessionRequest,
     SessionResponse,
 )
-from services.sandbox.sessions import SessionEnded, SessionLimit, SessionRegistry, SessionUnknown
 
 
 def _error(status: int, detail: str) -> JSONResponse:
