@@ -9,7 +9,7 @@
 #   scripts/gpu-preamble.sh          # on the GPU machine: install them into /tmp/site, run the check
 #
 # PYTHON_VERSION (default 3.12) picks the wheels' Python. The list below is every distribution
-# the check's import closure needs beyond that machine's own packages (tests/unit/test_gpu_wheels.py
+# the check's import closure needs beyond that machine's own packages (tests/integration/test_gpu_wheels.py
 # keeps it complete).
 set -euo pipefail
 cd "$(dirname "$0")/.."

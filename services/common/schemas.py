@@ -6,23 +6,25 @@ Invariants (checked when a model is built, so a bad message fails at the boundar
   the policy's actions), and those positions carry ``logprobs[i] == 0.0``;
 - token ids are never re-tokenized: they travel as int32 arrays end to end.
 
-Binary encoding (msgpack, used on the Redis streams): every array travels as little-endian
-packed bytes -- token ids and versions ``int32``, loss mask ``uint8``, log-probs ``float32`` --
-never as JSON floats. Log-probs therefore round-trip at float32 precision. The JSON form (HTTP)
-uses plain lists.
+Binary encoding (msgpack, used on the Redis streams): arrays travel as little-endian packed
+bytes, never as JSON numbers. A PromptJob's prompt ids are ``int32`` (schema 1). A Group travels
+as columns (``group_wire.py``, schema 2: ids at 2-4 bytes, log-probs ``float32`` for generated
+tokens only, versions run-length encoded, the loss mask implied by the versions); log-probs
+therefore round-trip at float32 precision. The JSON form (HTTP) uses plain lists.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgpack
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+PROMPT_JOB_SCHEMA = 1  # PromptJob's msgpack form; a Group's is group_wire.GROUP_SCHEMA
 
 TrajectoryFinish = Literal["eos", "answer", "max_turns", "length", "abort", "error"]
 
@@ -73,26 +75,24 @@ class PromptJob(WireModel):
 
     def to_msgpack(self) -> bytes:
         data = self.model_dump(mode="json", exclude={"prompt_ids"})
-        data["prompt_ids"] = _pack(self.prompt_ids, np.int32) if self.prompt_ids is not None else None
-        data["schema"] = SCHEMA_VERSION
+        data["prompt_ids"] = pack_array(self.prompt_ids, np.int32) if self.prompt_ids is not None else None
+        data["schema"] = PROMPT_JOB_SCHEMA
         return msgpack.packb(data, use_bin_type=True)
 
     @classmethod
     def from_msgpack(cls, raw: bytes) -> PromptJob:
-        data = _unpack_envelope(raw, "PromptJob")
+        data = unpack_map(raw, "PromptJob")
+        check_schema(data, "PromptJob", PROMPT_JOB_SCHEMA)
         if data.get("prompt_ids") is not None:
-            data["prompt_ids"] = _unpack(data["prompt_ids"], np.int32)
+            data["prompt_ids"] = packed_array(data["prompt_ids"], np.int32).tolist()
         return cls.model_validate(data)
 
 
-class Trajectory(WireModel):
-    """One response: generated tokens interleaved with interpreter tokens (loss mask 0)."""
+class TrajectoryMeta(WireModel):
+    """A trajectory's fields other than its token arrays (shared by ``Trajectory`` and the wire's
+    ``PackedTrajectory``)."""
 
     index: int = Field(0, ge=0, description="sample index within its group")
-    response_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    versions: list[int] = Field(description="policy version per token; -1 for interpreter tokens")
     turns: int = Field(0, ge=0, description="model generation segments")
     tool_calls: int = Field(0, ge=0, description="tool calls attempted (malformed ones included)")
     tool_errors: int = Field(0, ge=0, description="tool calls that ended in an error text")
@@ -108,9 +108,21 @@ class Trajectory(WireModel):
     reward_reason: str | None = None
     response_text: str | None = None
 
+
+TOKEN_ARRAYS = ("response_ids", "loss_mask", "logprobs", "versions")
+
+
+class Trajectory(TrajectoryMeta):
+    """One response: generated tokens interleaved with interpreter tokens (loss mask 0)."""
+
+    response_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int] = Field(description="policy version per token; -1 for interpreter tokens")
+
     @model_validator(mode="after")
     def _aligned(self) -> Trajectory:
-        _check_arrays(
+        check_arrays(
             len(self.response_ids),
             np.asarray(self.loss_mask, dtype=np.int64),
             np.asarray(self.logprobs, dtype=np.float64),
@@ -122,38 +134,12 @@ class Trajectory(WireModel):
     def num_generated(self) -> int:
         return int(sum(self.loss_mask))
 
-    def _to_wire(self) -> dict[str, Any]:
-        data = self.model_dump(exclude={"response_ids", "loss_mask", "logprobs", "versions"})
-        data["response_ids"] = _pack(self.response_ids, np.int32)
-        data["loss_mask"] = _pack(self.loss_mask, np.uint8)
-        data["logprobs"] = _pack(self.logprobs, np.float32)
-        data["versions"] = _pack(self.versions, np.int32)
-        return data
 
-    @classmethod
-    def _from_wire(cls, data: dict[str, Any]) -> Trajectory:
-        # arrays are typed by their packing: check the invariants on numpy arrays, validate the
-        # scalar fields with pydantic, and skip per-element validation of the long lists
-        arrays = {
-            "response_ids": _array(data.get("response_ids"), np.int32),
-            "loss_mask": _array(data.get("loss_mask"), np.uint8),
-            "logprobs": _array(data.get("logprobs"), np.float32),
-            "versions": _array(data.get("versions"), np.int32),
-        }
-        _check_arrays(
-            len(arrays["response_ids"]), arrays["loss_mask"], arrays["logprobs"], arrays["versions"]
-        )
-        empty: dict[str, Any] = {k: [] for k in arrays}
-        shell = cls.model_validate({**data, **empty})
-        return shell.model_copy(update={k: v.tolist() for k, v in arrays.items()})
-
-
-class Group(WireModel):
-    """The ``n`` scored trajectories of one PromptJob (rollout -> ``groups`` stream)."""
+class GroupMeta(WireModel):
+    """A group's fields other than its prompt ids and trajectories (shared by ``Group`` and the
+    wire's ``PackedGroup``)."""
 
     job_id: str = Field(min_length=1, description="dedupe key: at-least-once delivery may repeat a group")
-    prompt_ids: list[int]
-    trajectories: list[Trajectory]
     ground_truth: str | None = None
     data_source: str | None = None
     job_policy_version: int = -1
@@ -163,11 +149,16 @@ class Group(WireModel):
     meta: dict[str, Any] = Field(default_factory=dict)
     created_at: float = Field(default_factory=time.time)
 
+
+class Group(GroupMeta):
+    """The ``n`` scored trajectories of one PromptJob (rollout -> ``groups`` stream)."""
+
+    prompt_ids: list[int]
+    trajectories: list[Trajectory]
+
     @model_validator(mode="after")
     def _indices(self) -> Group:
-        idx = [t.index for t in self.trajectories]
-        if idx != list(range(len(idx))):
-            raise ValueError(f"trajectory indices must be 0..n-1 in order, got {idx}")
+        check_indices(self.trajectories)
         return self
 
     @property
@@ -175,50 +166,54 @@ class Group(WireModel):
         return [t.reward for t in self.trajectories]
 
     def to_msgpack(self) -> bytes:
-        data = self.model_dump(exclude={"prompt_ids", "trajectories"})
-        data["prompt_ids"] = _pack(self.prompt_ids, np.int32)
-        data["trajectories"] = [t._to_wire() for t in self.trajectories]
-        data["schema"] = SCHEMA_VERSION
-        return msgpack.packb(data, use_bin_type=True)
+        """The current wire form (``group_wire.encode_group``)."""
+        from services.common.group_wire import encode_group
+
+        return encode_group(self)
 
     @classmethod
     def from_msgpack(cls, raw: bytes) -> Group:
-        data = _unpack_envelope(raw, "Group")
-        data["prompt_ids"] = _unpack(data["prompt_ids"], np.int32)
-        data["trajectories"] = [Trajectory._from_wire(t) for t in data["trajectories"]]
-        return cls.model_validate(data)
+        """Decode and check any supported wire form (``group_wire.decode_group``), as lists."""
+        from services.common.group_wire import decode_group
+
+        return decode_group(raw).to_group()
 
 
-def version_range(trajectories: list[Trajectory]) -> tuple[int, int]:
+def check_indices(trajectories: list[Any]) -> None:
+    idx = [t.index for t in trajectories]
+    if idx != list(range(len(idx))):
+        raise ValueError(f"trajectory indices must be 0..n-1 in order, got {idx}")
+
+
+def version_range(trajectories: Sequence[Any]) -> tuple[int, int]:
     """(min, max) policy version over generated tokens; (-1, -1) when nothing was generated."""
     lo, hi = None, None
     for t in trajectories:
-        gen = [v for v in t.versions if v >= 0]
-        if gen:
-            lo = min(gen) if lo is None else min(lo, min(gen))
-            hi = max(gen) if hi is None else max(hi, max(gen))
+        versions = np.asarray(t.versions, dtype=np.int64)
+        gen = versions[versions >= 0]
+        if gen.size:
+            lo = int(gen.min()) if lo is None else min(lo, int(gen.min()))
+            hi = int(gen.max()) if hi is None else max(hi, int(gen.max()))
     return (-1 if lo is None else lo, -1 if hi is None else hi)
 
 
-def _pack(values: list[int] | list[float], dtype: Any) -> bytes:
+def pack_array(values: Any, dtype: Any) -> bytes:
+    """``values`` as little-endian packed bytes of ``dtype``."""
     arr = np.asarray(values, dtype=dtype)
     return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
-def _array(raw: Any, dtype: Any) -> np.ndarray:
+def packed_array(raw: Any, dtype: Any, what: str = "array") -> np.ndarray:
+    """A read-only little-endian view of packed bytes (no copy); ValueError naming ``what`` otherwise."""
     if not isinstance(raw, bytes | bytearray):
-        raise ValueError(f"expected packed bytes, got {type(raw).__name__}")
+        raise ValueError(f"{what}: expected packed bytes, got {type(raw).__name__}")
     itemsize = np.dtype(dtype).itemsize
     if len(raw) % itemsize:
-        raise ValueError(f"packed array length {len(raw)} is not a multiple of {itemsize}")
+        raise ValueError(f"{what}: packed array length {len(raw)} is not a multiple of {itemsize}")
     return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
 
 
-def _unpack(raw: Any, dtype: Any) -> list[Any]:
-    return _array(raw, dtype).tolist()
-
-
-def _check_arrays(n: int, mask: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
+def check_arrays(n: int, mask: np.ndarray, logprobs: np.ndarray, versions: np.ndarray) -> None:
     if not (len(mask) == len(logprobs) == len(versions) == n):
         raise ValueError(
             f"response_ids ({n}), loss_mask ({len(mask)}), logprobs ({len(logprobs)}) "
@@ -235,14 +230,21 @@ def _check_arrays(n: int, mask: np.ndarray, logprobs: np.ndarray, versions: np.n
         raise ValueError("logprobs must be 0.0 for masked (interpreter) tokens")
 
 
-def _unpack_envelope(raw: bytes, what: str) -> dict[str, Any]:
+def unpack_map(raw: bytes, what: str) -> dict[str, Any]:
+    """A msgpack map; ValueError naming ``what`` for anything else."""
     try:
         data = msgpack.unpackb(raw, raw=False)
     except Exception as exc:  # msgpack raises several unrelated types
         raise ValueError(f"{what}: not valid msgpack: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{what}: expected a msgpack map")
-    schema = data.pop("schema", None)
-    if schema != SCHEMA_VERSION:
-        raise ValueError(f"{what}: schema version {schema!r} is not supported (expected {SCHEMA_VERSION})")
     return data
+
+
+def check_schema(data: dict[str, Any], what: str, *supported: int) -> int:
+    """Pop ``schema`` from a decoded map; ValueError naming the version unless it is ``supported``."""
+    schema = data.pop("schema", None)
+    if schema not in supported or isinstance(schema, bool):
+        expected = " or ".join(str(v) for v in supported)
+        raise ValueError(f"{what}: schema version {schema!r} is not supported (expected {expected})")
+    return schema

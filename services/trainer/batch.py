@@ -2,7 +2,9 @@
 
 Invariants
 - ``Rollout`` is the trainer's own view of one finished response (the Redis/wire schema is mapped
-  onto it by the data path); token ids are used as given, never re-tokenised.
+  onto it by the data path); token ids are used as given, never re-tokenised. Its sequences are
+  lists or numpy arrays (the feed's ``PackedGroup`` views), turned into tensors without a
+  per-token Python loop when they are arrays.
 - ``input_ids = prompt_ids + response_ids``; the loss mask is 0 on the prompt and on interpreter
   tokens (``response_loss_mask`` 0) and 1 on the policy's own tokens; advantages are 0 off the mask.
 - Shaped reward = outcome reward + DAPO overlong penalty (when enabled); GRPO advantages are
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.trainer.algo.advantages import grpo_outcome_advantages
@@ -34,9 +37,9 @@ class Rollout:
 
     def validate(self, index: int) -> None:
         where = f"rollout {index} (group {self.group_id!r})"
-        if not self.prompt_ids:
+        if len(self.prompt_ids) == 0:
             raise ValueError(f"{where}: prompt_ids is empty")
-        if not self.response_ids:
+        if len(self.response_ids) == 0:
             raise ValueError(f"{where}: response_ids is empty")
         if len(self.response_loss_mask) != len(self.response_ids):
             raise ValueError(f"{where}: response_loss_mask has {len(self.response_loss_mask)} entries, "
@@ -69,12 +72,10 @@ def build_samples(
                                   norm_by_std=norm_by_std)
     samples = []
     for r, a, score in zip(rollouts, adv.tolist(), shaped, strict=True):
-        n_prompt = len(r.prompt_ids)
-        ids = torch.tensor([*r.prompt_ids, *r.response_ids], dtype=torch.long)
-        mask = torch.tensor([0.0] * n_prompt + [float(m) for m in r.response_loss_mask])
-        rollout_lp = None
-        if r.rollout_logprobs is not None:
-            rollout_lp = torch.tensor([0.0] * n_prompt + [float(x) for x in r.rollout_logprobs])
+        ids = torch.from_numpy(np.concatenate([np.asarray(r.prompt_ids, dtype=np.int64),
+                                               np.asarray(r.response_ids, dtype=np.int64)]))
+        mask = _after_prompt(r.prompt_ids, r.response_loss_mask)
+        rollout_lp = None if r.rollout_logprobs is None else _after_prompt(r.prompt_ids, r.rollout_logprobs)
         samples.append(TrainSample(input_ids=ids, loss_mask=mask, advantages=mask * a,
                                    rollout_logprobs=rollout_lp, reward=score))
     resp_lens = [len(r.response_ids) for r in rollouts]
@@ -90,3 +91,10 @@ def build_samples(
         "policy_tokens": float(sum(float(s.loss_mask.sum()) for s in samples)),
     }
     return samples, metrics
+
+
+def _after_prompt(prompt_ids: Sequence[int], values: Sequence[float]) -> torch.Tensor:
+    """float32 ``[0.0] * len(prompt_ids) + values``."""
+    out = np.zeros(len(prompt_ids) + len(values), dtype=np.float32)
+    out[len(prompt_ids):] = values
+    return torch.from_numpy(out)

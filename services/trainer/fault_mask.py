@@ -10,14 +10,17 @@ trajectory the trainer trains on:
 - ``drop_separator``: the first token of every interpreter block is removed, so the trained token
   sequence is not the one that was sampled (verl #6501: the turn separator dropped at each tool
   boundary).
-Invariant: with the variable unset (or empty) ``break_layout`` returns its inputs unchanged; an
-unknown value is refused, naming the accepted ones.
+Invariant: with the variable unset (or empty) ``break_layout`` returns its inputs unchanged (the
+same objects: lists or the feed's numpy arrays, no copy); an unknown value is refused, naming the
+accepted ones.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+
+import numpy as np
 
 FAULT_MULTITURN_MASK = "RETOOL_FAULT_MULTITURN_MASK"
 MODES = ("second_turn", "misaligned", "drop_separator")
@@ -31,10 +34,12 @@ def mode() -> str | None:
 
 
 def break_layout(ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[float] | None,
-                 fault: str | None) -> tuple[list[int], list[int], list[float] | None]:
-    ids, mask = list(ids), list(mask)
-    lps = None if logprobs is None else list(logprobs)
-    if fault is None or 0 not in mask:
+                 fault: str | None) -> tuple[Sequence[int], Sequence[int], Sequence[float] | None]:
+    if fault is None:
+        return ids, mask, logprobs
+    ids, mask = np.asarray(ids).tolist(), np.asarray(mask).tolist()
+    lps = None if logprobs is None else np.asarray(logprobs).tolist()
+    if 0 not in mask:
         return ids, mask, lps
     first_tool = mask.index(0)
     if fault == "second_turn":

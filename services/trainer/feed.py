@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from services.common.group_wire import decode_group
 from services.common.logging import get_logger
+from services.common.packed_group import PackedGroup
 from services.common.queue import RedisStream, StreamMessage
-from services.common.schemas import Group, PromptJob
+from services.common.schemas import PromptJob
 from services.trainer.ledger import LedgerWriter
 from services.trainer.staleness import StalenessManager
 
@@ -201,14 +203,14 @@ class DeadLetters:
         return await self.stream.ack(*ids, delete=True)
 
 
-def group_version(group: Group) -> int:
+def group_version(group: PackedGroup) -> int:
     """The policy version a group counts as: its oldest generated token (or its admission)."""
     return group.min_version if group.min_version >= 0 else group.job_policy_version
 
 
 @dataclass
 class Batch:
-    groups: list[Group]
+    groups: list[PackedGroup]  # token arrays as numpy views (``packed_group``), checked at decode
     message_ids: list[str]
     dropped: Counter[str] = field(default_factory=Counter)
     staleness: list[int] = field(default_factory=list)
@@ -219,9 +221,12 @@ class Batch:
 
 class GroupReader:
     def __init__(
-        self, stream: RedisStream, consumer: str, manager: StalenessManager, *, seen_capacity: int = 100_000
+        self, stream: RedisStream, consumer: str, manager: StalenessManager, *, seen_capacity: int = 100_000,
+        vocab_size: int | None = None,
     ) -> None:
+        """``vocab_size``: groups holding a token id >= it are dropped as malformed (None: not checked)."""
         self.stream = stream
+        self.vocab_size = vocab_size
         self.consumer = consumer
         self.manager = manager
         self._seen: set[str] = set()
@@ -253,7 +258,7 @@ class GroupReader:
         self,
         size: int,
         *,
-        keep: Callable[[Group], bool] | None = None,
+        keep: Callable[[PackedGroup], bool] | None = None,
         block_ms: int = 1000,
         max_wait_rounds: int | None = None,
     ) -> Batch:
@@ -269,7 +274,7 @@ class GroupReader:
                 continue
             for m in messages:
                 try:
-                    group = Group.from_msgpack(m.data)
+                    group = decode_group(m.data, vocab_size=self.vocab_size)
                 except ValueError as exc:
                     job_id = job_id_of(m.data)
                     log.warning("dropping malformed group",

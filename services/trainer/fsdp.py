@@ -80,10 +80,24 @@ def build_optimizer(actor: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.O
                              foreach=False)
 
 
-def full_state_dict(actor: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded parameters (collective: every rank must call it)."""
+def full_state_dict(actor: torch.nn.Module, *, on_device: bool = False) -> dict[str, torch.Tensor]:
+    """Unsharded parameters (collective: every rank must call it), copies that later optimizer steps
+    do not change. On the host by default; ``on_device`` keeps them where the parameters live (a
+    single-rank trainer's delta encoder compares them there)."""
     out: dict[str, torch.Tensor] = {}
     for name, p in actor.named_parameters():
         full = getattr(p.data, "full_tensor", None)
-        out[name] = (full() if full is not None else p.data).detach().cpu().clone()
+        value = (full() if full is not None else p.data).detach()
+        out[name] = value.clone() if on_device else value.cpu().clone()
     return out
+
+
+def encode_on_device(where: str, device: torch.device, world: int, transport: str = "grpc") -> bool:
+    """The ``weight_encode_where`` decision: ``auto`` encodes on the GPU only for one CUDA rank, where
+    the unsharded master already sits on that GPU (more ranks would gather the whole model there).
+    Shared-memory pushes copy host tensors and encode nothing: always host."""
+    if transport != "grpc":
+        return False
+    if where == "auto":
+        return device.type == "cuda" and world == 1
+    return where == "device"

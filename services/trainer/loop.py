@@ -155,6 +155,7 @@ class Trainer:
         self.cfg = cfg
         self.tcfg = cfg.trainer
         self.stop_requested = False
+        self.vocab_size: int | None = None  # the model's; the feed drops groups with ids beyond it
         self.jobs = list(jobs) if jobs is not None else None
         self.step = 0
         self.version = 0
@@ -181,6 +182,7 @@ class Trainer:
             )
         self.rank, self.world, mesh = init_distributed(self.tcfg)
         lm = AutoModelForCausalLM.from_pretrained(self.tcfg.model_path, dtype=torch.float32)
+        self.vocab_size = lm.get_input_embeddings().num_embeddings
         self.actor = Actor(lm, chunk_tokens=self.tcfg.logprob_chunk_tokens, temperature=self.tcfg.temperature)
         if wants_fsdp(self.world):
             apply_fsdp2(self.actor, self.tcfg.fsdp, mesh)
@@ -220,7 +222,7 @@ class Trainer:
         self.ledger = LedgerWriter(ledger_path(self.tcfg.checkpoint_dir))
         self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs,
                                    ledger=self.ledger)
-        self.reader = GroupReader(groups, self.cfg.consumer, self.manager)
+        self.reader = GroupReader(groups, self.cfg.consumer, self.manager, vocab_size=self.vocab_size)
         self.dead = DeadLetters(dead, self.cfg.consumer)
 
     def _resume(self) -> int:
@@ -401,9 +403,12 @@ class Trainer:
         return box[0]
 
     async def _push(self, version: int) -> dict[str, float]:
-        from services.trainer.fsdp import full_state_dict
+        from services.trainer.fsdp import encode_on_device, full_state_dict
+        from services.trainer.step import model_device
 
-        weights = full_state_dict(self.actor)  # collective
+        on_device = encode_on_device(self.cfg.weight_encode_where, model_device(self.actor), self.world,
+                                     self.cfg.weight_transport)
+        weights = full_state_dict(self.actor, on_device=on_device)  # collective
         if self.rank != 0 or not self.cfg.rollout_targets:
             return {}
         from services.trainer.push import WeightPusher
@@ -422,6 +427,7 @@ class Trainer:
                 self.cfg.rollout_targets, token, bucket_bytes=self.cfg.weight_bucket_mb * 2**20,
                 transport=self.cfg.weight_transport, delta=self.cfg.weight_delta, dtype=self.cfg.weight_dtype,
                 wait_s=self.cfg.weight_push_wait_s, security=ChannelSecurity.from_files(self.cfg.weight_tls),
+                encode_where="device" if on_device else "host",
             )
         # dns: targets resolve to every replica on each push; failed attempts are retried and counted
         return await self._pusher.push(weights, version)

@@ -56,6 +56,13 @@ class RunConfig(StrictModel):
     weight_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the weights are pushed in; auto: each replica's serving dtype"
     )
+    weight_encode_where: Literal["auto", "host", "device"] = Field(
+        "auto", description="where a delta push compares the weights with the last pushed ones. device: "
+        "on the GPU that holds them (only the changed elements are copied to the host); host: numpy on "
+        "the CPU after copying the whole master to the host; auto: device when the trainer runs on CUDA "
+        "as one rank (the unsharded master is already on that GPU), else host. Measured on an H200, "
+        "131M parameters: 0.15 s device against 0.61 s host, master to served (docs/gpu-check.md)"
+    )
     weight_push_wait_s: float | None = Field(
         120.0, gt=0, description="a weight push waits at most this long for a replica (retries included); "
         "replicas still unreachable then are skipped (they get a full push later) unless none took the "
