@@ -143,7 +143,7 @@ class LoopUnderTest(Trainer):
 
 def run_config(url: str, tcfg: TrainerConfig, tmp: Path, *, save_every: int = 1) -> RunConfig:
     tcfg = tcfg.model_copy(update={"save_freq": save_every, "checkpoint_dir": str(tmp / "ckpt")})
-    return RunConfig(dataset="unused.parquet", trainer=tcfg, group_wait_s=30.0, redis_url=url,
+    return RunConfig(dataset="unused.parquet", trainer=tcfg, group_wait_s=120.0, redis_url=url,
                      prompts_stream="prompts", groups_stream="groups", max_steps=10_000,
                      metrics_path=str(tmp / "metrics.jsonl"))
 
