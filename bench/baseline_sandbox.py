@@ -30,7 +30,7 @@ from fastapi import FastAPI
 
 from services.sandbox import syscall_filter
 from services.sandbox.rootfs import HIDDEN_DIRS, SYSTEM_DIRS, TOP_LINKS, outermost
-from services.sandbox.schemas import CommandRunResult, RunCodeRequest, RunCodeResponse
+from services.transport.sandbox.schemas import CommandRunResult, RunCodeRequest, RunCodeResponse
 
 REPO = Path(__file__).resolve().parents[1]
 WORKDIR = "/tmp/workspace"

@@ -30,9 +30,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from services.chat.tool_result import format_run_result
 from services.common.config import StrictModel
-from services.demo.task import tool_output
-from services.rollout.agent.sandbox import format_run_result
+from services.demo.task import run_answer, tool_output
+from services.transport.sandbox.schemas import RunStatus
 
 DATA_SOURCE = "demo_recovery"
 FUNCTIONS = ("comb", "gcd", "isqrt")
@@ -136,9 +137,7 @@ def interpreter_text(p: Problem, fixed: bool) -> str:
     """What the rollout agent shows the model for one of the two calls."""
     if fixed:
         return tool_output(f"{p.answer}\n")
-    body = {"status": "Failed", "run_result": {"status": "Finished", "stdout": "", "stderr": name_error(p),
-                                               "return_code": 1}}
-    return format_run_result(body, 10.0).text
+    return format_run_result(run_answer(RunStatus.Failed, "", name_error(p), 1), 10.0).text
 
 
 def guess(p: Problem, rng: random.Random) -> int:

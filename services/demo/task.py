@@ -19,8 +19,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from services.chat.tool_result import format_run_result
 from services.common.config import StrictModel
-from services.rollout.agent.sandbox import format_run_result
+from services.transport.sandbox.schemas import CommandRunResult, CommandRunStatus, RunCodeResponse, RunStatus
 
 DATA_SOURCE = "demo_multiply"
 
@@ -72,9 +73,13 @@ def make_splits(cfg: TaskConfig) -> tuple[list[Problem], list[Problem]]:
 
 def tool_output(stdout: str) -> str:
     """What the rollout agent shows the model for a successful run printing ``stdout``."""
-    body = {"status": "Success", "run_result": {"status": "Finished", "stdout": stdout, "stderr": "",
-                                                "return_code": 0}}
-    return format_run_result(body, 10.0).text
+    return format_run_result(run_answer(RunStatus.Success, stdout, "", 0), 10.0).text
+
+
+def run_answer(status: RunStatus, stdout: str, stderr: str, return_code: int) -> RunCodeResponse:
+    """The sandbox's answer to a run that finished with these outputs."""
+    return RunCodeResponse(status=status, run_result=CommandRunResult(
+        status=CommandRunStatus.Finished, stdout=stdout, stderr=stderr, return_code=return_code))
 
 
 def sft_messages(a: int, b: int, use_code: bool) -> list[dict[str, str]]:

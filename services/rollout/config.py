@@ -35,6 +35,11 @@ class AgentConfig(ChatFormat):
         "retries on connection errors, 429 and 5xx (8: about 20 s of pauses, enough for a sandbox restart)"))
     sandbox_retry_backoff_s: float = Field(0.2, ge=0, description=(
         "first pause between retries (doubling, plus jitter; a Retry-After answer sets it)"))
+    allow_degraded_sandbox: bool = Field(False, description=(
+        "use a sandbox that runs with isolation: degraded (it says so in /healthz and in the "
+        "X-Sandbox-Isolation header of every answer). false: the rollout refuses to start against "
+        "one and fails every tool call it answers; true: it is used, counted in "
+        "rollout_sandbox_degraded_answers_total and logged as an error at start"))
     reward_timeout_s: float = Field(60.0, gt=0, description=(
         "time budget of one grade: connection errors, 429 and 5xx (503 overload: after its "
         "Retry-After) are retried until it is spent"))

@@ -35,6 +35,11 @@ class RolloutMetrics(AgentObserver):
         for outcome in ("ok", "error"):  # both series exist (at 0) before the first tool call
             self.tool_calls.labels(outcome)
         self.sandbox_latency = r.histogram("sandbox_seconds", "Latency of one sandbox /run_code call")
+        self.sandbox_degraded = r.counter(
+            "sandbox_degraded_answers", "Sandbox answers that said isolation degraded, by what the "
+            "rollout did with them (agent.allow_degraded_sandbox)", ("action",))
+        for action in ("refused", "used"):  # both series exist (at 0): an alert can watch them
+            self.sandbox_degraded.labels(action)
         self.turns = r.histogram("turns", "Model generation turns per response", buckets=TURN_BUCKETS)
         self.trajectories = r.counter(
             "trajectories_total", "Finished responses by finish reason", ("reason",)
@@ -68,6 +73,10 @@ class RolloutMetrics(AgentObserver):
 
         # the queue client's retries of a restarting Redis (services/common/queue.py)
         CONNECTION_ERROR_HOOKS.append(self.retries.labels("redis", "connection").inc)
+
+    def sandbox_degraded_answer(self, note: str, allowed: bool) -> None:
+        """``SandboxClient.on_degraded``: one answer of a sandbox with isolation degraded."""
+        self.sandbox_degraded.labels("used" if allowed else "refused").inc()
 
     # AgentObserver
     def tokens_generated(self, n: int) -> None:

@@ -25,12 +25,13 @@ from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
 from services.common.schemas import Group, version_range
 from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, Tokenizer
-from services.rollout.agent.sandbox import SandboxClient, SandboxUnavailable
+from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams, engine_error
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.openai_api.router import openai_router
+from services.transport.sandbox.client import SandboxClient, SandboxUnavailable
 
 log = get_logger("rollout")
 T = TypeVar("T")
@@ -110,7 +111,7 @@ def create_app(
     metrics = RolloutMetrics()
     timed = TimedEngine(engine, metrics)
     metrics.weight_version.set_function(lambda: float(timed.version))
-    sandbox = SandboxClient(
+    sandbox = SandboxTool(SandboxClient(
         cfg.sandbox_url,
         run_timeout_s=cfg.agent.sandbox_run_timeout_s,
         memory_mb=cfg.agent.sandbox_memory_mb,
@@ -119,7 +120,9 @@ def create_app(
         backoff_s=cfg.agent.sandbox_retry_backoff_s,
         retries_counter=metrics.retries,
         client_kwargs=cfg.sandbox_security.httpx_kwargs("sandbox_security"),
-    )
+        allow_degraded=cfg.agent.allow_degraded_sandbox,
+        on_degraded=metrics.sandbox_degraded_answer,
+    ))
     reward_client = None
     if scorer is None and cfg.reward_url:
         from services.transport.reward.client import RewardClient
@@ -133,6 +136,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await sandbox.check_isolation()  # a degraded sandbox: refused here, or logged loudly
         stop = asyncio.Event()
         worker_task = redis_client = weight_server = None
         if cfg.redis.url:

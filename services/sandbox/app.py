@@ -21,9 +21,9 @@ from services.common.metrics import MetricsRegistry, add_observability_routes
 from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import Executor, QueueFull, QueueTimeout
 from services.sandbox.phases import PHASES
-from services.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus
 from services.sandbox.session_api import SessionAPI
 from services.sandbox.sessions import SessionRegistry
+from services.transport.sandbox.schemas import RunCodeRequest, RunCodeResponse, RunStatus, SandboxHealth
 
 
 class SandboxMetrics:
@@ -106,17 +106,15 @@ def create_app(cfg: SandboxConfig) -> FastAPI:
 
     def health() -> dict[str, object]:
         alive = executor.healthy_zygotes
-        return {"status": "ok" if alive > 0 else "degraded", "zygotes_alive": alive,
-                "zygotes": len(executor.zygotes),
-                "zygote_restarts": sum(z.restarts for z in executor.zygotes),
-                "in_flight": executor.stats.in_flight,
-                "queued": executor.stats.queued, "max_concurrency": cfg.max_concurrency,
-                "cgroups": executor.cgroups.version if executor.cgroups else None,
-                "isolation": "degraded" if executor.degraded else "ok",
-                "isolation_gaps": list(executor.gaps),
-                "warnings": [f"isolation degraded: {gap}" for gap in executor.gaps],
-                "sessions": len(registry.live), "max_sessions": cfg.max_sessions,
-                "runtime": executor.runtime_info()}
+        return SandboxHealth(
+            status="ok" if alive > 0 else "degraded", zygotes_alive=alive, zygotes=len(executor.zygotes),
+            zygote_restarts=sum(z.restarts for z in executor.zygotes), in_flight=executor.stats.in_flight,
+            queued=executor.stats.queued, max_concurrency=cfg.max_concurrency,
+            cgroups=executor.cgroups.version if executor.cgroups else None,
+            isolation="degraded" if executor.degraded else "ok", isolation_gaps=list(executor.gaps),
+            warnings=[f"isolation degraded: {gap}" for gap in executor.gaps],
+            sessions=len(registry.live), max_sessions=cfg.max_sessions, runtime=executor.runtime_info(),
+        ).model_dump()
 
     add_observability_routes(app, metrics.registry, health)
 

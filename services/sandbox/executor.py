@@ -38,14 +38,14 @@ from services.sandbox.limits import RunLimits, queue_wait_s, resolve_limits
 from services.sandbox.protocol import RunOutcome, RunSpec
 from services.sandbox.routing import choose_pool, top_level
 from services.sandbox.runtime_env import resolve_runtime_python, stage_package
-from services.sandbox.schemas import (
+from services.sandbox.zygote_process import Zygote, ZygoteSetup
+from services.transport.sandbox.schemas import (
     CommandRunResult,
     CommandRunStatus,
     RunCodeRequest,
     RunCodeResponse,
     RunStatus,
 )
-from services.sandbox.zygote_process import Zygote, ZygoteSetup
 
 log = get_logger("sandbox.executor")
 POD_NAME = os.environ.get("MY_POD_NAME")  # reported as executor_pod_name, as SandboxFusion does

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.sandbox.config import SandboxConfig
-from services.sandbox.schemas import RunCodeRequest
+from services.transport.sandbox.schemas import RunCodeRequest
 
 # verl's client reads for compile_timeout + run_timeout + 10 s; a request that waited for a
 # slot longer than compile_timeout + this would be answered after the client gave up.

@@ -27,7 +27,8 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import POD_NAME, to_response
 from services.sandbox.limits import resolve_limits
 from services.sandbox.protocol import RunOutcome
-from services.sandbox.schemas import (
+from services.sandbox.sessions import SessionEnded, SessionLimit, SessionRegistry, SessionUnknown
+from services.transport.sandbox.schemas import (
     CellRunResult,
     CommandRunResult,
     CommandRunStatus,
@@ -39,7 +40,6 @@ from services.sandbox.schemas import (
     SessionRequest,
     SessionResponse,
 )
-from services.sandbox.sessions import SessionEnded, SessionLimit, SessionRegistry, SessionUnknown
 
 
 class SessionInfo(BaseModel):

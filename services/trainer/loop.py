@@ -11,6 +11,10 @@ Per step (rank 0 does all I/O; every rank trains):
    version, dataset cursor, outstanding and seen job ids — then acknowledge the groups (and dead
    letters) those steps used.
 
+``Trainer.run`` sets the model up and calls ``train``, whose loop calls ``step_once`` for each
+step: one seam, so the admission and recovery tests drive this very loop (with the FSDP step
+stubbed) instead of a copy of it.
+
 The training ledger (``ledger.py``, ``<checkpoint_dir>/ledger.jsonl``) records every admission,
 every step's job ids, every drop with its reason, re-issues, checkpoints and resumes, so
 ``retool trainer ledger`` can prove that no admitted job was trained twice or lost silently.
@@ -35,7 +39,7 @@ import torch.distributed as dist
 
 from services.common.config import ConfigError
 from services.common.logging import get_logger
-from services.common.schemas import Group
+from services.common.schemas import Group, PromptJob
 from services.common.tool_curves import tool_curves
 from services.data.prompt_jobs import load_prompt_jobs
 from services.trainer import fault_mask
@@ -138,12 +142,24 @@ class MetricsSink:
             tracker.close()
 
 
+StepOutcome = Literal["trained", "stopped", "used_up"]
+
+
 class Trainer:
-    def __init__(self, cfg: RunConfig) -> None:
+    """The RL loop. ``run`` sets up the model and calls ``train``: streams, resume, then
+    ``step_once`` until the planned steps are made, the data is used up or a stop is requested.
+
+    ``jobs``: the prompt jobs to admit instead of loading ``cfg.dataset`` (tests drive the real
+    loop with scripted jobs; the service always loads the dataset)."""
+
+    def __init__(self, cfg: RunConfig, *, jobs: Sequence[PromptJob] | None = None) -> None:
         self.cfg = cfg
         self.tcfg = cfg.trainer
         self.stop_requested = False
         self.vocab_size: int | None = None  # the model's; the feed drops groups with ids beyond it
+        self.jobs = list(jobs) if jobs is not None else None
+        self.step = 0
+        self.version = 0
 
     # ---- set-up -----------------------------------------------------------------------------
     def _setup_model(self) -> None:
@@ -204,7 +220,8 @@ class Trainer:
         dead = RedisStream(self.redis, f"{self.cfg.prompts_stream}:dead", self.cfg.consumer_group)
         await dead.ensure_group()
         prompts = RedisStream(self.redis, self.cfg.prompts_stream)
-        jobs = load_prompt_jobs(self.cfg.dataset, self.tcfg.group_size, self.cfg.sampling, self.cfg.max_turns)
+        jobs = self.jobs if self.jobs is not None else load_prompt_jobs(
+            self.cfg.dataset, self.tcfg.group_size, self.cfg.sampling, self.cfg.max_turns)
         self.manager = StalenessManager(self.tcfg.batch_prompts, self.tcfg.max_staleness)
         self.ledger = LedgerWriter(ledger_path(self.tcfg.checkpoint_dir))
         self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs,
@@ -449,105 +466,130 @@ class Trainer:
             await self.reader.commit()
             await self.dead.commit()
 
-    async def run(self) -> int:
-        from tqdm import tqdm
-
-        from services.trainer.ppo import CriticSettings
+    def _train(self, rollouts: list[Rollout], step: int) -> dict[str, float]:
+        """The FSDP step on one batch (collective: every rank); returns its metrics."""
+        from services.trainer.ppo import CriticSettings, ppo_train_step
         from services.trainer.step import DPInfo, StepSettings, train_step
 
+        samples, batch_metrics = build_samples(
+            rollouts,
+            norm_by_std=self.tcfg.norm_adv_by_std,
+            overlong=self.tcfg.overlong,
+            max_response_len=self.tcfg.max_response_len,
+        )
+        settings, dp = StepSettings.from_config(self.tcfg), DPInfo(self.rank, self.world)
+        if self.critic is not None and self.critic_optimizer is not None:
+            step_metrics = ppo_train_step(
+                self.actor, self.optimizer, self.critic, self.critic_optimizer, samples, settings,
+                CriticSettings.from_config(self.tcfg.critic), dp,
+                update_actor=step >= self.tcfg.critic.warmup_steps,
+            )
+        else:
+            step_metrics = train_step(self.actor, self.optimizer, samples, settings, dp)
+        return {**batch_metrics, **step_metrics}
+
+    async def _record(self, metrics: dict[str, float], total: int) -> None:
+        """Rank 0, after step ``self.step`` trained and pushed: admission, metrics, ledger, audit log."""
+        self.manager.advance(self.version)
+        if self.step % self.tcfg.test_freq == 0 or self.step >= total:
+            metrics.update(await self._validate())
+        self.sink.write(self.step, metrics)
+        self.ledger.trained(self.step, self._last_job_ids)
+        if self.cfg.groups_log:
+            with open(self.cfg.groups_log, "a") as fh:
+                fh.write(json.dumps({"step": self.step, "job_ids": self._last_job_ids}) + "\n")
+
+    def _after_step(self, step: int) -> None:
+        """Between a step's record and its checkpoint: the fault-injection point (tests)."""
+        if os.environ.get(FAULT_KILL_AFTER_STEP) == str(step):  # a hard crash, like an OOM kill
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def step_once(self, total: int) -> StepOutcome:
+        """One step on every rank: collect a batch (rank 0), train, push the weights, record
+        (rank 0: admission, metrics, ledger), checkpoint every ``save_freq`` steps, at the last
+        planned step ``total`` and on a stop (then commit the groups used).
+
+        ``"stopped"``: a stop was requested (while waiting for groups, or during the step) and a
+        checkpoint written; ``"used_up"``: the data is used up before the batch was full
+        (checkpoint written); ``"trained"``: ``self.step`` advanced by one."""
+        start = time.perf_counter()
+        payload = self._broadcast(await self._collect() if self.rank == 0 else None)
+        if payload == "stop":  # stopped while waiting for groups: checkpoint the last finished step
+            await self._checkpoint(self.step)
+            log.info("SIGTERM: checkpoint written at step %d, exiting", self.step)
+            return "stopped"
+        if payload == "used_up":  # drops used the data up before the planned steps: end cleanly
+            await self._checkpoint(self.step)
+            log.warning("data used up at step %d of %d planned; checkpoint written", self.step, total)
+            return "used_up"
+        rollouts, stats = payload
+        metrics = self._train(rollouts, self.step)
+        self.version += 1
+        push = await self._push(self.version)
+        self.step += 1
+        if self.rank == 0:
+            await self._record({**stats, **metrics, **push, "policy/version": float(self.version),
+                                "perf/step_seconds": time.perf_counter() - start}, total)
+        self._after_step(self.step)
+        stop = self._broadcast(self.stop_requested)
+        if self.step % self.tcfg.save_freq == 0 or stop or self.step >= total:
+            await self._checkpoint(self.step)
+        if stop:
+            log.info("SIGTERM: checkpoint written at step %d, exiting", self.step)
+            return "stopped"
+        return "trained"
+
+    async def run(self) -> int:
         self._setup_model()
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
+        return await self.train()
+
+    async def train(self) -> int:
+        """Everything after the model is set up: streams and resume, then ``step_once`` until the
+        end; returns the last step. SIGTERM requests a stop (checkpoint, then return)."""
+        previous = signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stop_requested", True))
+        try:
+            return await self._train_loop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    async def _train_loop(self) -> int:
+        from tqdm import tqdm
+
         if self.rank == 0:
             await self._setup_streams()
-            sink = MetricsSink(self.cfg.metrics_path, self.cfg.metrics_port, self.tcfg.max_staleness,
-                               trackers=open_trackers(self.cfg.tracking, self.cfg.model_dump(mode="json")),
-                               host=self.cfg.metrics_host)
+            trackers = open_trackers(self.cfg.tracking, self.cfg.model_dump(mode="json"))
+            self.sink = MetricsSink(self.cfg.metrics_path, self.cfg.metrics_port, self.tcfg.max_staleness,
+                                    trackers=trackers, host=self.cfg.metrics_host)
         else:
             self.feeder = self.reader = None  # type: ignore[assignment]
-        step = self._resume()
-        version = self._broadcast(self.manager.version if self.rank == 0 else 0)
-        settings = StepSettings.from_config(self.tcfg)
-        critic_settings = CriticSettings.from_config(self.tcfg.critic)
-        dp = DPInfo(self.rank, self.world)
+        self.step = self._resume()
+        self.version = self._broadcast(self.manager.version if self.rank == 0 else 0)
         total = self._broadcast(
             planned_steps(self.cfg.max_steps, len(self.feeder.dataset), self.tcfg.total_epochs,
                           self.tcfg.batch_prompts)
             if self.rank == 0
             else 0
         )
-        bar = tqdm(total=total, initial=step, desc="train", disable=self.rank != 0)
-        if step == 0 and self.tcfg.val_before_train and self.rank == 0 and (val := await self._validate()):
-            sink.write(0, val)
-        ended = True
-        while step < total:
-            start = time.perf_counter()
-            payload = self._broadcast(await self._collect() if self.rank == 0 else None)
-            if payload == "stop":  # stopped while waiting for groups: checkpoint the last finished step
-                await self._checkpoint(step)
-                log.info("SIGTERM: checkpoint written at step %d, exiting", step)
-                ended = False
-                break
-            if payload == "used_up":  # drops used the data up before the planned steps: end cleanly
-                await self._checkpoint(step)
-                log.warning("data used up at step %d of %d planned; checkpoint written", step, total)
-                break
-            rollouts, stats = payload
-            samples, batch_metrics = build_samples(
-                rollouts,
-                norm_by_std=self.tcfg.norm_adv_by_std,
-                overlong=self.tcfg.overlong,
-                max_response_len=self.tcfg.max_response_len,
-            )
-            if self.critic is not None and self.critic_optimizer is not None:
-                from services.trainer.ppo import ppo_train_step
-
-                step_metrics = ppo_train_step(
-                    self.actor, self.optimizer, self.critic, self.critic_optimizer, samples, settings,
-                    critic_settings, dp,
-                    update_actor=step >= self.tcfg.critic.warmup_steps,
-                )
-            else:
-                step_metrics = train_step(self.actor, self.optimizer, samples, settings, dp)
-            version += 1
-            push = await self._push(version)
-            step += 1
-            if self.rank == 0:
-                self.manager.advance(version)
-                metrics = {
-                    **stats,
-                    **batch_metrics,
-                    **step_metrics,
-                    **push,
-                    "policy/version": float(version),
-                    "perf/step_seconds": time.perf_counter() - start,
-                }
-                if step % self.tcfg.test_freq == 0 or step >= total:
-                    metrics.update(await self._validate())
-                sink.write(step, metrics)
-                self.ledger.trained(step, self._last_job_ids)
-                if self.cfg.groups_log:
-                    with open(self.cfg.groups_log, "a") as fh:
-                        fh.write(json.dumps({"step": step, "job_ids": self._last_job_ids}) + "\n")
-            bar.update(1)
-            if os.environ.get(FAULT_KILL_AFTER_STEP) == str(step):  # fault injection (tests): a hard crash
-                os.kill(os.getpid(), signal.SIGKILL)
-            stop = self._broadcast(self.stop_requested)
-            if step % self.tcfg.save_freq == 0 or stop or step >= total:
-                await self._checkpoint(step)
-            if stop:
-                log.info("SIGTERM: checkpoint written at step %d, exiting", step)
-                ended = step >= total
-                break
+        bar = tqdm(total=total, initial=self.step, desc="train", disable=self.rank != 0)
+        first = self.step == 0 and self.tcfg.val_before_train and self.rank == 0
+        if first and (val := await self._validate()):
+            self.sink.write(0, val)
+        outcome: StepOutcome = "trained"
+        while self.step < total and outcome == "trained":
+            before = self.step
+            outcome = await self.step_once(total)
+            bar.update(self.step - before)
+        ended = outcome != "stopped" or self.step >= total
         bar.close()
         if (pusher := getattr(self, "_pusher", None)) is not None:
             pusher.close()  # the delta encoder's threads
         if self.rank == 0:
             if ended:
-                self.ledger.write("end", step=step, outstanding=self.manager.in_flight(0))
+                self.ledger.write("end", step=self.step, outstanding=self.manager.in_flight(0))
             self.ledger.close()
-            sink.close()
+            self.sink.close()
             await self.redis.aclose()
         if dist.is_initialized():
             dist.barrier()  # every rank is past its last collective before gloo/NCCL is torn down
             dist.destroy_process_group()
-        return step
+        return self.step

@@ -40,6 +40,7 @@ import yaml
 
 from services.trainer.ledger import LedgerReport, check_file
 from tests.deploy.engine import REPO, Compose, run, wait_for, write_compose_env
+from tests.helpers.ledger_witness import StreamWitness, witness_of
 
 REPLICAS = 2
 PROGRESS_STEPS = 2
@@ -149,6 +150,10 @@ class Stack:
         ledger = self.tmp / "ledger.jsonl"
         run(["docker", "cp", f"{self.container('trainer-cpu')}:/checkpoints/ledger.jsonl", str(ledger)],
             timeout=60)
+        self.ledger_file = ledger
+        # the ledger's second witness: what Redis shows of the groups stream (tests/helpers/ledger_witness.py)
+        self.groups_witness = self.stream_witness(self.cfg.get("groups_stream", "retool:groups"),
+                                                  self.cfg.get("consumer_group", "trainer"))
         return target, versions, check_file(ledger)  # type: ignore[return-value]
 
     def diag(self) -> str:
@@ -158,6 +163,16 @@ class Stack:
         self.c.cmd("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
 
     # ---- probes ------------------------------------------------------------------------------
+    def stream_witness(self, stream: str, group: str) -> StreamWitness:
+        """``XINFO STREAM`` / ``XINFO GROUPS`` of ``stream``, read with redis-cli in the redis container."""
+        name = self.container("redis")
+
+        def xinfo(*args: str) -> Any:
+            return json.loads(run(["docker", "exec", name, "redis-cli", "--json", "XINFO", *args, stream],
+                                  timeout=60).stdout)
+
+        return witness_of(xinfo("STREAM"), xinfo("GROUPS"), group)
+
     def container(self, service: str, index: int = 1) -> str:
         for x in self.c.containers():
             if x.get("Service") == service and int(x.get("Name", "x-0").rsplit("-", 1)[1]) == index:

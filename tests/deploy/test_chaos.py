@@ -29,6 +29,7 @@ import pytest
 
 from tests.deploy import chaos
 from tests.deploy.engine import Phases, build_image, require_engine
+from tests.helpers.ledger_witness import check_nothing_unaccounted
 
 pytestmark = pytest.mark.integration
 IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
@@ -70,6 +71,8 @@ def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp
     assert report.ok, report.violations  # nothing trained twice, nothing vanished silently
     assert report.steps == target and report.ended
     assert report.trained_groups == target * s.cfg["trainer"]["batch_prompts"]
+    # Redis, counting on its own: no group acknowledged (gone) that the ledger does not account for
+    check_nothing_unaccounted(s.ledger_file, s.groups_witness)
     # no fault but the trainer's own restarted the trainer (a replica's death once crashed it: the full
     # push to every replica was cancelled by the dead one's failure)
     assert {r.fault: r.trainer_restarts for r in results} == {

@@ -28,6 +28,7 @@ from services.data.dapo import prepare_dapo
 from services.transport.weights.client import get_version
 from tests.helpers import agent_fixtures
 from tests.helpers.datasets import dapo_row, write_aime_2025, write_dapo
+from tests.helpers.ledger_witness import check_ledger_against_redis
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.tiny_model import tiny_model_dir
 
@@ -195,6 +196,14 @@ async def test_rl_loop_end_to_end_with_crash_and_resume(stack):
     from services.common.queue import RedisStream, connect
 
     client = connect(stack["redis"].url)
-    groups = RedisStream(client, "retool:groups", "trainer")
-    assert await groups.pending() == 0  # nothing left unacknowledged
-    await client.aclose()
+    try:
+        groups = RedisStream(client, "retool:groups", "trainer")
+        assert await groups.pending() == 0  # nothing left unacknowledged
+        # a second witness: groups_log and the ledger are written from the same trainer bookkeeping;
+        # Redis counts on its own what the trainer acknowledged (after each checkpoint)
+        witness = await check_ledger_against_redis(client, tmp / "ckpt" / "ledger.jsonl",
+                                                   groups_stream="retool:groups",
+                                                   dead_stream="retool:prompts:dead", group="trainer")
+        assert witness.acknowledged >= PROMPTS  # every trained group (and any duplicate) acknowledged
+    finally:
+        await client.aclose()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from services.chat.tool_result import format_run_result
 from services.demo.recovery_task import Problem, bare_code, fixed_code, interpreter_text
-from services.rollout.agent.sandbox import format_run_result
+from services.transport.sandbox.schemas import RunCodeResponse
 
 
 @pytest.mark.parametrize("p", [Problem(fn="comb", args=(12, 5)), Problem(fn="gcd", args=(84, 36)),
@@ -15,8 +16,7 @@ from services.rollout.agent.sandbox import format_run_result
 def test_trace_interpreter_texts_are_the_sandboxes(sandbox_url: str, p: Problem) -> None:
     for code, fixed in ((bare_code(p), False), (fixed_code(p), True)):
         r = httpx.post(f"{sandbox_url}/run_code", json={"code": code, "language": "python"}, timeout=60)
-        body = r.json()
-        shown = format_run_result(body, 10.0)
+        shown = format_run_result(RunCodeResponse.model_validate(r.json()), 10.0)
         assert shown.error is not fixed
         assert shown.text == interpreter_text(p, fixed)
     assert f"NameError: name '{p.fn}' is not defined" in interpreter_text(p, False)

@@ -27,10 +27,11 @@ from openai import AsyncOpenAI, OpenAI
 
 from services.chat.format import hermes_tool_schema
 from services.common.process import ServiceProcess, free_port
-from services.rollout.agent.sandbox import SandboxClient
+from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import RolloutConfig
 from services.rollout.openai_api.render import chat_tool_result_template
 from services.rollout.server import create_app
+from services.transport.sandbox.client import SandboxClient
 from tests.helpers.agent_fixtures import EndlessEngine, make_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -80,7 +81,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, sandbox_url: str) -> Iterat
 async def run_tool(call: Any, sandbox_url: str) -> str:
     """What the harness does with a tool call: run its code in the sandbox (the agent loop's client)."""
     assert call.type == "function" and call.function.name == "code_interpreter"
-    sandbox = SandboxClient(sandbox_url)
+    sandbox = SandboxTool(SandboxClient(sandbox_url))
     try:
         return (await sandbox.run(json.loads(call.function.arguments)["code"])).text
     finally:

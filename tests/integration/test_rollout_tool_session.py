@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from services.rollout.agent.loop import AgentLoop
-from services.rollout.agent.sandbox import SandboxClient
+from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig
 from services.sandbox.launcher import SandboxProcess
+from services.transport.sandbox.client import SandboxClient
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
 from tests.integration.sandbox_client import sandbox_pids
 
@@ -41,7 +42,7 @@ def _opened(url: str) -> float:
 
 
 async def _run(sandbox_url: str, mode: str) -> Any:
-    sandbox = SandboxClient(sandbox_url)
+    sandbox = SandboxTool(SandboxClient(sandbox_url))
     try:
         loop = AgentLoop(ScriptedEngine(TOK, list(SCRIPT)), TOK, sandbox, AgentConfig(tool_session=mode))
         return await loop.run_one(loop.build_prompt(MESSAGES))
@@ -73,7 +74,7 @@ async def test_stateless_mode_stays_the_default_and_forgets_between_calls(sandbo
 
 async def test_a_session_that_ended_tells_the_model_why(sandbox_url):
     script = ["<code>\n```python\nimport os\nos._exit(3)\n```\n</code>", "<code>print(1)</code>", "done"]
-    sandbox = SandboxClient(sandbox_url)
+    sandbox = SandboxTool(SandboxClient(sandbox_url))
     try:
         loop = AgentLoop(ScriptedEngine(TOK, script), TOK, sandbox, AgentConfig(tool_session="persistent"))
         traj = await loop.run_one(loop.build_prompt(MESSAGES))
@@ -105,7 +106,7 @@ async def test_a_sessions_calls_stay_on_the_replica_that_opened_it(sandbox_url, 
 
         monkeypatch.setattr(loop, "getaddrinfo", two_replicas)
         opened = (_opened(sandbox_url), _opened(second.url))
-        client = SandboxClient(f"http://sandbox.replicas:{port}")
+        client = SandboxTool(SandboxClient(f"http://sandbox.replicas:{port}"))
         try:
             sids = [await client.open_session() for _ in range(16)]
             for step in range(4):

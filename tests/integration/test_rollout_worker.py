@@ -18,10 +18,11 @@ from services.common.process import free_port
 from services.common.queue import RedisStream, connect
 from services.common.schemas import ChatMessage, Group, PromptJob
 from services.rollout.agent.loop import AgentLoop
-from services.rollout.agent.sandbox import SandboxClient
+from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig, RedisWorkerConfig
 from services.rollout.worker import RolloutWorker
 from services.transport.reward.client import RewardClient
+from services.transport.sandbox.client import SandboxClient
 from tests.helpers import agent_fixtures
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
 
@@ -43,7 +44,7 @@ PROMPTS, GROUPS = "t:prompts", "t:groups"
 
 def _worker(redis_client: Any, sandbox_url: str, reward: str, **cfg: Any) -> tuple[RolloutWorker, list[Any]]:
     engine = ScriptedEngine(TOK, {k: list(v) for k, v in SCRIPTS.items()}, version=5)
-    sandbox = SandboxClient(sandbox_url)
+    sandbox = SandboxTool(SandboxClient(sandbox_url))
     scorer = RewardClient(reward, timeout_s=5.0)  # an outage is retried for 5 s, then the job fails
     agent = AgentLoop(engine, TOK, sandbox, AgentConfig(), scorer=scorer)
     wcfg = RedisWorkerConfig(

@@ -36,7 +36,7 @@ from services.common.queue import RedisAuth, RedisStream, connect, publish_and_a
 from services.common.schemas import ChatMessage, Group, PromptJob
 from services.common.security import SecretRef, ServerSecurity, TLSClientFiles, TLSServerFiles
 from services.rollout.agent.loop import AgentLoop
-from services.rollout.agent.sandbox import SandboxClient
+from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig, RedisWorkerConfig, RolloutConfig
 from services.rollout.engine.hf import HFEngine
 from services.rollout.server import create_app
@@ -45,6 +45,7 @@ from services.rollout.worker import RolloutWorker
 from services.sandbox.launcher import SandboxProcess
 from services.trainer.observability import queue_stats
 from services.transport.reward.client import RewardClient
+from services.transport.sandbox.client import SandboxClient
 from services.transport.weights.client import WeightPushError, iter_checkpoint, push_state_dict_async
 from services.transport.weights.tls import ChannelSecurity
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
@@ -96,7 +97,7 @@ async def test_redis_roles_get_what_their_code_needs_and_nothing_of_the_other_ro
         # the real rollout worker (rollout user) runs the job: read, heartbeat, sandbox, publish+ack
         engine = ScriptedEngine(TOK, {0: ["<code>print(2 + 2)</code>", "<answer>\\boxed{4}</answer>"],
                                       1: ["<answer>\\boxed{5}</answer>"]}, version=0)
-        sandbox = SandboxClient(sandbox_url)
+        sandbox = SandboxTool(SandboxClient(sandbox_url))
         agent = AgentLoop(engine, TOK, sandbox, AgentConfig())
         wcfg = RedisWorkerConfig(url="unused", consumer="w1", block_ms=100, claim_idle_ms=500,
                                  heartbeat_ms=100)

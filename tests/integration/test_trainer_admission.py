@@ -1,4 +1,5 @@
-"""Admission under dynamic sampling, through the trainer's own ``_collect`` and a real Redis.
+"""Admission under dynamic sampling, through the trainer's own loop (``Trainer.train`` and
+``step_once``, only the FSDP step stubbed) and a real Redis.
 
 A scripted rollout worker (a task on the same event loop) consumes the prompts stream and writes
 one group per job; whether a group is informative is a fixed function of the job, so a group
@@ -10,7 +11,8 @@ delivered again after a crash gets the same verdict. What is checked:
   resume is exact (no slot re-admitted, none lost);
 - a run whose data is used up by drops ends cleanly (``"used_up"``), not with a timeout;
 - the training ledger written along the way (crashes and resumes included) holds its invariant:
-  every admitted job trained once or dropped once with a reason, the rest counted in flight.
+  every admitted job trained once or dropped once with a reason, the rest counted in flight; and
+  Redis, a second witness, acknowledged exactly the groups the ledger resolved.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from services.common.queue import RedisStream, connect
 from services.common.schemas import Group, PromptJob, Trajectory
 from services.trainer.config import TrainerConfig
-from services.trainer.feed import DeadLetters, GroupReader, PromptFeeder
-from services.trainer.ledger import LedgerWriter, check_file
+from services.trainer.ledger import check_file, ledger_path
 from services.trainer.loop import RunConfig, Trainer
 from services.trainer.staleness import StalenessManager
+from tests.helpers.ledger_witness import check_ledger_against_redis
 
 pytestmark = pytest.mark.integration
 
@@ -97,75 +100,83 @@ class ScriptedRollout:
         await self.client.aclose()
 
 
-async def _trainer(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], state: dict | None,
-                   ledger: Path) -> Trainer:
-    """A Trainer with its streams wired as ``_setup_streams`` does, restored from ``state``."""
-    trainer = Trainer(RunConfig(dataset="unused.parquet", trainer=tcfg, group_wait_s=30.0,
-                                prompts_stream="prompts", groups_stream="groups"))
-    trainer.redis = connect(url)
-    groups = RedisStream(trainer.redis, "groups", "trainer")
-    await groups.ensure_group()
-    dead = RedisStream(trainer.redis, "prompts:dead", "trainer")
-    await dead.ensure_group()
-    trainer.manager = StalenessManager(tcfg.batch_prompts, tcfg.max_staleness)
-    trainer.ledger = LedgerWriter(ledger)
-    trainer.feeder = PromptFeeder(RedisStream(trainer.redis, "prompts"), jobs, trainer.manager,
-                                  ledger=trainer.ledger)
-    trainer.reader = GroupReader(groups, "trainer-0", trainer.manager)
-    trainer.dead = DeadLetters(dead, "trainer-0")
-    if state is not None:
-        trainer.feeder.load_state_dict(state["feeder"])
-        trainer.reader.load_state_dict(state["reader"])
-    trainer.ledger.write("resume", step=state["step"] if state else 0)
-    return trainer
+class Crash(Exception):
+    """The trainer died right after a step, before its checkpoint (``RETOOL_FAULT_KILL_AFTER_STEP``)."""
 
 
-async def _run(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], *, save_every: int,
-               crash_after: set[int], max_steps: int,
-               ledger: Path) -> tuple[int, list[str], StalenessManager]:
-    """Steps until the data is used up (or ``max_steps``); a crash (no checkpoint, no commit)
-    after each step in ``crash_after``. Returns steps made, the job ids trained on, the manager.
-    The ledger is written as ``Trainer.run`` writes it and must hold its invariant at the end."""
-    trainer = await _trainer(url, tcfg, jobs, None, ledger)
-    state = {"feeder": trainer.feeder.state_dict(), "reader": trainer.reader.state_dict(),
-             "step": 0, "trained": []}
-    step, trained = 0, []
-    while step < max_steps:
-        outstanding = trainer.manager.admitted - trainer.manager.trained
-        assert outstanding <= (tcfg.max_staleness + 1) * tcfg.batch_prompts
-        payload = await trainer._collect()
-        if payload == "used_up":
+class LoopUnderTest(Trainer):
+    """The real loop (``Trainer.train``: streams, resume, ``step_once``: collect, record, ledger,
+    checkpoint, commit) with only what cannot run on the scripted groups replaced: the policy is
+    a one-layer stand-in (saved and restored by the real checkpoints), the FSDP step does nothing
+    but note the step's job ids, and a crash is raised at the loop's fault-injection point."""
+
+    def __init__(self, cfg: RunConfig, jobs: list[PromptJob], *, crash_after: set[int] | None = None,
+                 trained: dict[int, list[str]] | None = None) -> None:
+        super().__init__(cfg, jobs=jobs)
+        self.rank, self.world = 0, 1
+        self.actor = torch.nn.Linear(2, 2)
+        self.optimizer = torch.optim.SGD(self.actor.parameters(), lr=0.1)
+        self.critic = self.critic_optimizer = None
+        self.crash_after = crash_after if crash_after is not None else set()
+        self.trained = trained if trained is not None else {}
+
+    async def _collect(self):  # type: ignore[no-untyped-def]
+        outstanding = self.manager.admitted - self.manager.trained
+        assert outstanding <= (self.tcfg.max_staleness + 1) * self.tcfg.batch_prompts
+        return await super()._collect()
+
+    def _train(self, rollouts, step: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+        assert len(rollouts) == self.tcfg.batch_prompts * self.tcfg.group_size
+        self.trained[step + 1] = list(self._last_job_ids)  # a redone step overrides its lost attempt
+        return {}
+
+    def _after_step(self, step: int) -> None:
+        if step in self.crash_after:
+            self.crash_after.discard(step)
+            raise Crash(step)
+
+    async def die(self) -> None:
+        """What a SIGKILL leaves: nothing closed cleanly, nothing more written."""
+        await self.redis.aclose()
+        self.ledger.close()
+
+
+def run_config(url: str, tcfg: TrainerConfig, tmp: Path, *, save_every: int = 1) -> RunConfig:
+    tcfg = tcfg.model_copy(update={"save_freq": save_every, "checkpoint_dir": str(tmp / "ckpt")})
+    return RunConfig(dataset="unused.parquet", trainer=tcfg, group_wait_s=120.0, redis_url=url,
+                     prompts_stream="prompts", groups_stream="groups", max_steps=10_000,
+                     metrics_path=str(tmp / "metrics.jsonl"))
+
+
+async def _run(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], tmp: Path, *, save_every: int,
+               crash_after: set[int]) -> tuple[int, list[str], StalenessManager]:
+    """The real loop until the data is used up; a crash after each step in ``crash_after`` (no
+    checkpoint, no commit), then a fresh trainer that resumes from the last checkpoint. Returns the
+    steps made, the job ids trained on (as the surviving steps hold them) and the manager. The
+    ledger must hold its invariant, and Redis must have acknowledged what the ledger resolved."""
+    cfg = run_config(url, tcfg, tmp, save_every=save_every)
+    trained: dict[int, list[str]] = {}
+    while True:
+        trainer = LoopUnderTest(cfg, jobs, crash_after=crash_after, trained=trained)
+        try:
+            step = await trainer.train()
             break
-        assert payload != "stop"
-        rollouts, stats = payload
-        assert len(rollouts) == tcfg.batch_prompts * tcfg.group_size
-        trained += trainer._last_job_ids
-        step += 1
-        trainer.manager.advance(step)
-        trainer.ledger.trained(step, trainer._last_job_ids)
-        if step in crash_after:  # die: the steps since the last checkpoint are lost
-            crash_after.discard(step)
-            await trainer.redis.aclose()
-            trainer.ledger.close()
-            trainer = await _trainer(url, tcfg, jobs, state, ledger)
-            step, trained = state["step"], list(state["trained"])
-            continue
-        if step % save_every == 0:
-            trainer.ledger.write("checkpoint", step=step)
-            state = {"feeder": trainer.feeder.state_dict(), "reader": trainer.reader.state_dict(),
-                     "step": step, "trained": list(trained)}
-            await trainer.reader.commit()
-            await trainer.dead.commit()
+        except Crash:
+            await trainer.die()
+    ids = [job for s in range(1, step + 1) for job in trained[s]]
     manager = trainer.manager
-    trainer.ledger.write("end", step=step, outstanding=manager.in_flight(0))
-    trainer.ledger.close()
-    await trainer.redis.aclose()
-    report = check_file(ledger)
+    report = check_file(ledger_path(cfg.trainer.checkpoint_dir))
     assert report.ok, report.violations
-    assert report.steps == step and report.trained_groups == len(trained)
+    assert report.ended and report.steps == step and report.trained_groups == len(ids)
     assert report.outstanding == manager.in_flight(0)
-    assert report.resumes == [0] + [s for s in report.resumes[1:]]  # the fresh start, then each crash
-    return step, trained, manager
+    assert report.resumes[0] == 0 and report.resumes[1:] == sorted(report.resumes[1:])
+    client = connect(url)
+    try:
+        await check_ledger_against_redis(client, ledger_path(cfg.trainer.checkpoint_dir),
+                                         groups_stream="groups", dead_stream="prompts:dead", group="trainer")
+    finally:
+        await client.aclose()
+    return step, ids, manager
 
 
 def _jobs(n: int, group_size: int) -> list[PromptJob]:
@@ -187,10 +198,9 @@ async def test_the_tiny_cpu_config_no_longer_stalls_when_dynamic_sampling_drops_
         return int(job_id.split(":")[1]) % 3 != 0
 
     async with ScriptedRollout(redis_server.url, informative, random.Random(0)):
-        steps, trained, manager = await _run(redis_server.url, tcfg, jobs, save_every=10,
-                                             crash_after=set(), max_steps=10_000,
-                                             ledger=tmp_path / "ledger.jsonl")
-    assert check_file(tmp_path / "ledger.jsonl").dropped == {"filtered": 40}
+        steps, trained, manager = await _run(redis_server.url, tcfg, jobs, tmp_path, save_every=10,
+                                             crash_after=set())
+    assert check_file(tmp_path / "ckpt" / "ledger.jsonl").dropped == {"filtered": 40}
     assert steps == 80 // tcfg.batch_prompts == 20  # 80 informative groups, 4 a step
     assert len(set(trained)) == len(trained) == 80
     assert manager.in_flight(held=0) == 0 and manager.admitted == manager.trained
@@ -209,10 +219,9 @@ async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis
     crashes = {rng.randint(1, 6) for _ in range(2)}
     n_crashes = len(crashes)
     async with ScriptedRollout(redis_server.url, verdict.__getitem__, rng, p_late=0.2):
-        steps, trained, manager = await _run(redis_server.url, tcfg, jobs, save_every=2,
-                                             crash_after=crashes, max_steps=10_000,
-                                             ledger=tmp_path / "ledger.jsonl")
-    report = check_file(tmp_path / "ledger.jsonl")
+        steps, trained, manager = await _run(redis_server.url, tcfg, jobs, tmp_path, save_every=2,
+                                             crash_after=crashes)
+    report = check_file(tmp_path / "ckpt" / "ledger.jsonl")
     assert len(report.resumes) == 1 + n_crashes - len(crashes)  # crashes past the run's end never happened
     assert report.trained_groups + sum(report.dropped.values()) + report.outstanding == report.admitted
     assert len(trained) == len(set(trained)) == steps * batch_prompts  # nothing trained twice
@@ -226,8 +235,9 @@ async def test_random_drops_late_groups_and_crashes_resolve_every_job_once(redis
 async def test_a_run_whose_data_drops_use_up_ends_cleanly(redis_server, tmp_path):
     tcfg = TrainerConfig(batch_prompts=4, group_size=2, mini_batch_size=8, max_staleness=1,
                          max_prompt_len=8, max_response_len=8, micro_batch_max_tokens=32)
+    trainer = LoopUnderTest(run_config(redis_server.url, tcfg, tmp_path), _jobs(10, 2))
     async with ScriptedRollout(redis_server.url, lambda job_id: False, random.Random(0)):
-        trainer = await _trainer(redis_server.url, tcfg, _jobs(10, 2), None, tmp_path / "ledger.jsonl")
-        assert await asyncio.wait_for(trainer._collect(), timeout=20) == "used_up"
-        assert trainer.feeder.exhausted and trainer.manager.admitted == 0
-        await trainer.redis.aclose()
+        assert await asyncio.wait_for(trainer.train(), timeout=60) == 0
+    assert trainer.feeder.exhausted and trainer.manager.admitted == 0
+    report = check_file(tmp_path / "ckpt" / "ledger.jsonl")
+    assert report.ok and report.ended and report.dropped == {"filtered": 10} and report.steps == 0

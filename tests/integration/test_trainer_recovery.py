@@ -21,8 +21,10 @@ from services.common.schemas import PromptJob
 from services.trainer.config import TrainerConfig
 from services.trainer.feed import PromptFeeder, job_id_of
 from services.trainer.ledger import LedgerWriter, check_file
+from services.trainer.loop import Trainer
 from services.trainer.staleness import StalenessManager
-from tests.integration.test_trainer_admission import ScriptedRollout, _group, _jobs, _trainer
+from tests.helpers.ledger_witness import StreamWitness, check_ledger_against_redis, stream_witness
+from tests.integration.test_trainer_admission import LoopUnderTest, ScriptedRollout, _group, _jobs, run_config
 
 pytestmark = pytest.mark.integration
 
@@ -89,24 +91,20 @@ async def test_dead_lettered_jobs_are_resolved_with_their_reason(redis_server, t
     def is_dead(job_id: str) -> bool:
         return int(job_id.split(":")[1]) % 4 == 1  # 3 of 12
 
-    ledger = tmp_path / "ledger.jsonl"
+    ledger = tmp_path / "ckpt" / "ledger.jsonl"
+    trainer = LoopUnderTest(run_config(redis_server.url, tcfg, tmp_path, save_every=2), jobs)
     async with DeadLettering(redis_server.url, lambda _: True, is_dead, random.Random(0)):
-        trainer = await _trainer(redis_server.url, tcfg, jobs, None, ledger)
-        trained: list[str] = []
-        for step in range(1, 5):  # 9 good jobs: 4 steps of 2
-            payload = await asyncio.wait_for(trainer._collect(), timeout=30)
-            assert payload not in ("stop", "used_up"), payload
-            trained += trainer._last_job_ids
-            trainer.manager.advance(step)
-            trainer.ledger.trained(step, trainer._last_job_ids)
-        assert await asyncio.wait_for(trainer._collect(), timeout=30) == "used_up"
-        trainer.ledger.write("checkpoint", step=4)
-        await trainer.reader.commit()
-        assert await trainer.dead.commit() == 3
-        trainer.ledger.write("end", step=4, outstanding=trainer.manager.in_flight(0))
-        trainer.ledger.close()
-        await trainer.redis.aclose()
+        assert await asyncio.wait_for(trainer.train(), timeout=120) == 4  # 9 good jobs: 4 steps of 2
+    trained = [job for step in sorted(trainer.trained) for job in trainer.trained[step]]
+    assert sorted(trainer.trained) == [1, 2, 3, 4]
     assert not any(is_dead(j) for j in trained) and len(set(trained)) == 8
+    client = connect(redis_server.url)
+    try:  # Redis, the second witness: the 3 dead letters were acknowledged (and deleted)
+        assert await stream_witness(client, "prompts:dead", "trainer") == StreamWitness(3, 0, 0)
+        await check_ledger_against_redis(client, ledger, groups_stream="groups", dead_stream="prompts:dead",
+                                         group="trainer")
+    finally:
+        await client.aclose()
     rep = check_file(ledger)
     assert rep.ok, rep.violations
     assert rep.dropped == {"dead_lettered": 3} and rep.outstanding == 1  # one kept group, short of a batch
@@ -117,7 +115,8 @@ async def test_dead_lettered_jobs_are_resolved_with_their_reason(redis_server, t
 async def test_the_trainer_client_rides_out_a_redis_restart(redis_server, tmp_path):
     tcfg = TrainerConfig(batch_prompts=2, group_size=2, mini_batch_size=4, max_staleness=1, max_prompt_len=8,
                          max_response_len=8, micro_batch_max_tokens=32)
-    trainer = await _trainer(redis_server.url, tcfg, _jobs(8, 2), None, tmp_path / "ledger.jsonl")
+    trainer = Trainer(run_config(redis_server.url, tcfg, tmp_path), jobs=_jobs(8, 2))
+    await trainer._setup_streams()
     await trainer.feeder.top_up()
     redis_server.restart()  # every connection of the client is now dead
     depth = await trainer.feeder.stream.depth()  # reconnects, no error

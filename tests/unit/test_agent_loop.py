@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
+from services.chat.tool_result import ToolResult
 from services.common.process import free_port
 from services.common.schemas import RolloutSampling, Trajectory
 from services.rollout.agent.loop import AgentLoop
-from services.rollout.agent.sandbox import SandboxClient, SandboxUnavailable, ToolResult
+from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig
+from services.transport.sandbox.client import SandboxClient, SandboxUnavailable
 from tests.helpers.agent_fixtures import ScriptedEngine, extra_token_id, make_tokenizer
 
 TOK = make_tokenizer()
@@ -160,7 +162,7 @@ async def test_long_tool_output_is_truncated_in_the_middle() -> None:
 async def test_unreachable_sandbox_fails_the_rollout_loudly() -> None:
     # a real client against a loopback port nobody listens on: connection refused, retried, then
     # the rollout fails: an outage never becomes a "no tools" trajectory (ToRL #27)
-    client = SandboxClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0.01)
+    client = SandboxTool(SandboxClient(f"http://127.0.0.1:{free_port()}", retries=1, backoff_s=0.01))
     try:
         loop, _, _ = _loop(["<code>print(1)</code>", "ok"], tools=client)
         with pytest.raises(SandboxUnavailable, match="after 2 attempts"):

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from services.chat.format import truncate_middle
+from services.chat.tool_result import format_run_result
 from services.chat.toolcall import parse_code_call, parse_hermes_call
-from services.rollout.agent.sandbox import format_run_result
+from services.transport.sandbox.schemas import RunCodeResponse
 
 
 def test_code_tag_plain_and_fenced() -> None:
@@ -67,8 +68,8 @@ def _resp(
     stdout: str = "",
     stderr: str = "",
     message: str = "",
-) -> dict:
-    return {
+) -> RunCodeResponse:
+    return RunCodeResponse.model_validate({
         "status": status,
         "message": message,
         "compile_result": None,
@@ -81,7 +82,7 @@ def _resp(
         },
         "executor_pod_name": None,
         "files": {},
-    }
+    })
 
 
 def test_format_run_result_cases() -> None:
@@ -91,5 +92,6 @@ def test_format_run_result_cases() -> None:
     assert err.error and "ZeroDivisionError" in err.text
     tle = format_run_result(_resp("Failed", "TimeLimitExceeded", rc=-9, stdout="partial\n"), 5)
     assert tle.error and tle.text.startswith("partial") and "exceeded 5 seconds" in tle.text
-    sbx = format_run_result({"status": "SandboxError", "message": "pool exhausted", "run_result": None}, 5)
+    sbx = format_run_result(RunCodeResponse.model_validate(
+        {"status": "SandboxError", "message": "pool exhausted", "run_result": None}), 5)
     assert sbx.error and "pool exhausted" in sbx.text

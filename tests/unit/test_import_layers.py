@@ -4,7 +4,8 @@ Layers, bottom up (a package may import its own layer's shared packages and anyt
 1. ``common``, ``proto_gen``: import no other ``services`` package (``common`` may use the generated
    gRPC code);
 2. ``transport`` (wire contracts and clients), ``chat`` (token layout), ``data`` (dataset files):
-   import only layer 1;
+   import only layer 1, except that ``chat`` may import ``transport`` (a tool result is rendered
+   from the sandbox's typed answer; ``transport`` never imports ``chat``);
 3. the services ``sandbox``, ``reward``, ``rollout``, ``trainer``: import layers 1-2, never each other;
 4. orchestration (``stack``, ``eval``, ``demo``, ``cli``, ``model_cli``): anything.
 Every import counts: top-level, inside functions and under ``TYPE_CHECKING``.
@@ -27,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "proto_gen": set(),
     "common": {"proto_gen"},
     **{p: BASE for p in SHARED},
+    "chat": BASE | {"transport"},
     **{p: BASE | SHARED for p in SERVICES},
 }
 

@@ -16,7 +16,7 @@ from services.sandbox.cgroups import CPU_PERIOD_US, cpu_quota_us
 from services.sandbox.config import SandboxConfig
 from services.sandbox.limits import clamp_cpu, resolve_limits
 from services.sandbox.phases import PHASES, PhaseBoard
-from services.sandbox.schemas import RunCodeRequest
+from services.transport.sandbox.schemas import RunCodeRequest
 
 
 def test_outermost_keeps_only_the_top_of_each_subtree():

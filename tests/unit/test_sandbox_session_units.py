@@ -6,10 +6,10 @@ import pytest
 from pydantic import ValidationError
 
 from services.sandbox.config import SandboxConfig
-from services.sandbox.schemas import RunCodeRequest, RunJupyterRequest
 from services.sandbox.session_main import _compile_cell
 from services.sandbox.session_runner import _error_info
 from services.sandbox.sessions import SessionLimit, SessionRegistry, SessionUnknown, reason_kind
+from services.transport.sandbox.schemas import RunCodeRequest, RunJupyterRequest
 
 
 def _shown(source: str) -> object:

@@ -8,7 +8,7 @@ from services.sandbox.config import SandboxConfig
 from services.sandbox.executor import to_response
 from services.sandbox.limits import queue_wait_s, resolve_limits
 from services.sandbox.protocol import RunOutcome
-from services.sandbox.schemas import RunCodeRequest, check_relative_path
+from services.transport.sandbox.schemas import RunCodeRequest, check_relative_path
 
 
 def test_capped_buffer_keeps_head_and_tail_and_marks_truncation():

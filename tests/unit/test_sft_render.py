@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from services.chat.tool_result import ToolResult
 from services.common.config import ConfigError
 from services.data.io import write_rows
 from services.data.retool_sft import to_messages
 from services.rollout.agent.loop import AgentLoop
-from services.rollout.agent.sandbox import ToolResult
 from services.rollout.config import AgentConfig
 from services.rollout.model_init import build_tokenizer
 from services.trainer.sft.config import SFTDataConfig

@@ -39,11 +39,12 @@ from typing import Any, Protocol
 import httpx
 
 from services.chat.format import build_prompt, tool_result_ids
+from services.chat.tool_result import ToolResult
 from services.chat.toolcall import ToolCall, parse_code_call, parse_hermes_call
 from services.common.schemas import RolloutSampling, Trajectory
-from services.rollout.agent.sandbox import SandboxUnavailable, ToolResult
 from services.rollout.config import AgentConfig
 from services.rollout.engine.base import Engine, SamplingParams
+from services.transport.sandbox.client import SandboxUnavailable
 
 EventSink = Callable[[dict[str, Any]], Awaitable[None]]
 

@@ -1,10 +1,14 @@
-"""SandboxFusion-compatible request/response models (``/run_code``, ``/run_jupyter``, ``/sessions``).
+"""The sandbox's HTTP contract: SandboxFusion-compatible request/response models (``/run_code``,
+``/run_jupyter``, ``/sessions``) and ``/healthz``.
 
-Field names, defaults and status values follow SandboxFusion so that its clients (verl's
-sandbox tool) work unchanged. What cannot mean anything is refused here, with a 422 that
-names the field; values a drop-in must accept are handled per field elsewhere (over-limit
-timeouts and memory are clamped, see ``limits``; each ``fetch_files`` entry is checked
-on its own at fetch time and reported in ``message`` if skipped).
+The sandbox service answers with these models and the rollout's ``SandboxClient`` (``client.py``)
+sends and reads them, so the two cannot drift apart. Field names, defaults and status values
+follow SandboxFusion so that its clients (verl's sandbox tool) work unchanged: what goes on the
+wire is byte for byte what it was before these models moved here. What cannot mean anything is
+refused here, with a 422 that names the field; values a drop-in must accept are handled per
+field in the service (over-limit timeouts and memory are clamped, see ``services/sandbox/limits``;
+each ``fetch_files`` entry is checked on its own at fetch time and reported in ``message`` if
+skipped).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import posixpath
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+ISOLATION_HEADER = "X-Sandbox-Isolation"
+"""Set on every HTTP response of a sandbox running under ``isolation: degraded`` (its gaps)."""
 PYTHON_ALIASES = frozenset({"python", "python3", "py", "py3"})
 MAX_CODE_BYTES = 1024 * 1024
 
@@ -175,3 +181,20 @@ class RunJupyterResponse(BaseModel):
     cells: list[CellRunResult] = Field(default_factory=list)
     files: dict[str, str] = Field(default_factory=dict)
     executor_pod_name: str | None = None
+
+
+class SandboxHealth(BaseModel):
+    """``GET /healthz``. ``isolation`` is ``"ok"`` only when every isolation layer holds; under
+    ``isolation: degraded`` with a layer missing it is ``"degraded"`` and ``isolation_gaps`` lists
+    what is missing. Extra fields are kept (a newer sandbox may say more)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    status: str
+    isolation: str = "ok"
+    isolation_gaps: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+    @property
+    def degraded(self) -> bool:
+        return self.isolation != "ok"
