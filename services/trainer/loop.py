@@ -414,7 +414,7 @@ class Trainer:
         on_device = encode_on_device(self.cfg.weight_encode_where, model_device(self.actor), self.world,
                                      self.cfg.weight_transport)
         if self.tcfg.step_mode == "null" and self.tcfg.null_push_mb is not None:  # benchmarks: a set payload
-            from services.rollout.engine.synthetic_payload import payload_tensors
+            from services.transport.weights.synthetic_payload import payload_tensors
 
             weights = dict(payload_tensors(self.tcfg.null_push_mb, float(version)))
             on_device = False  # the payload is made on the host

@@ -16,30 +16,14 @@ from collections.abc import Iterable
 import torch
 
 from services.rollout.engine.weight_spec import TensorSpec, WeightSpec
+from services.transport.weights.synthetic_payload import payload_name, payload_shapes, payload_tensors
 
-ROW = 1024
-MAX_ROWS = 16384  # 64 MiB of float32 per tensor
-
-
-def _shapes(mb: float) -> list[tuple[int, int]]:
-    rows = max(1, int(mb * 2**20) // (4 * ROW))
-    out = []
-    while rows > 0:
-        take = min(rows, MAX_ROWS)
-        out.append((take, ROW))
-        rows -= take
-    return out
+__all__ = ["fingerprint", "payload_spec", "payload_tensors"]
 
 
 def payload_spec(mb: float) -> WeightSpec:
-    shapes = enumerate(_shapes(mb))
-    return WeightSpec({f"synthetic.payload.{i}": TensorSpec(s, torch.float32) for i, s in shapes})
-
-
-def payload_tensors(mb: float, value: float = 0.0) -> list[tuple[str, torch.Tensor]]:
-    """A complete push of the synthetic weight set, every element ``value``."""
-    return [(f"synthetic.payload.{i}", torch.full(s, value, dtype=torch.float32))
-            for i, s in enumerate(_shapes(mb))]
+    shapes = enumerate(payload_shapes(mb))
+    return WeightSpec({payload_name(i): TensorSpec(s, torch.float32) for i, s in shapes})
 
 
 def fingerprint(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
