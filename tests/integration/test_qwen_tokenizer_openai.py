@@ -11,19 +11,16 @@ ids, and what follows is the real template's ``<tool_response>`` user turn.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 
 import pytest
-import uvicorn
 from openai import AsyncOpenAI
 
-from services.common.process import free_port
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.hf import HFEngine
 from services.rollout.server import create_app
 from tests.helpers.qwen import qwen_scripted_dir
+from tests.helpers.uvicorn_app import serving
 
 pytestmark = pytest.mark.integration
 
@@ -41,40 +38,35 @@ async def test_tool_calls_round_trip_on_the_real_template(tmp_path_factory):
     tok = engine.tokenizer
     cfg = RolloutConfig(sandbox_url="http://127.0.0.1:9", model="qwen-mini")
     app = create_app(cfg, engine, tok)  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    serve = asyncio.create_task(server.serve())
     try:
-        deadline = time.monotonic() + 120
-        while not server.started:
-            assert not serve.done() and time.monotonic() < deadline, "uvicorn did not start"
-            await asyncio.sleep(0.05)
-        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                             timeout=120)
-        common = {"model": "qwen-mini", "tools": TOOLS, "temperature": 0.0, "max_completion_tokens": 64,
-                  "extra_body": {"return_token_ids": True}}
-        first = await client.chat.completions.create(messages=QUESTION, **common)
-        p1 = first.model_extra["prompt_token_ids"]
-        expected = tok.apply_chat_template(QUESTION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-        assert p1 == tok.encode(expected, add_special_tokens=False)
-        assert "# Tools" in expected and '"name": "python"' in expected
-        (choice,) = first.choices
-        assert choice.finish_reason == "tool_calls", choice
-        (call,) = choice.message.tool_calls
-        assert (call.function.name, json.loads(call.function.arguments)) == ("python", {"src": "print(6*7)"})
-        gen1 = choice.model_extra["token_ids"]
-        assert gen1 == tok.encode(CALL, add_special_tokens=False)
-        assert gen1[0] == 151657 and gen1[-1] == 151658
-        assistant = {**choice.message.model_dump(exclude_none=True), "token_ids": gen1}
-        messages = [*QUESTION, assistant, {"role": "tool", "tool_call_id": call.id, "content": "42 数 😀"}]
-        second = await client.chat.completions.create(messages=messages, **common)
-        p2 = second.model_extra["prompt_token_ids"]
-        assert p2[: len(p1) + len(gen1)] == p1 + gen1  # continued from exactly those ids
-        tail = tok.decode(p2[len(p1) + len(gen1):])
-        assert tail == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42 数 😀\n</tool_response>"
-                        "<|im_end|>\n<|im_start|>assistant\n")
-        assert second.choices[0].finish_reason == "tool_calls"
+        async with serving(app, start_timeout_s=120, stop_timeout_s=60) as base:
+            client = AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                 timeout=120)
+            common = {"model": "qwen-mini", "tools": TOOLS, "temperature": 0.0, "max_completion_tokens": 64,
+                      "extra_body": {"return_token_ids": True}}
+            first = await client.chat.completions.create(messages=QUESTION, **common)
+            p1 = first.model_extra["prompt_token_ids"]
+            expected = tok.apply_chat_template(QUESTION, tools=TOOLS, tokenize=False,
+                                               add_generation_prompt=True)
+            assert p1 == tok.encode(expected, add_special_tokens=False)
+            assert "# Tools" in expected and '"name": "python"' in expected
+            (choice,) = first.choices
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            arguments = json.loads(call.function.arguments)
+            assert (call.function.name, arguments) == ("python", {"src": "print(6*7)"})
+            gen1 = choice.model_extra["token_ids"]
+            assert gen1 == tok.encode(CALL, add_special_tokens=False)
+            assert gen1[0] == 151657 and gen1[-1] == 151658
+            assistant = {**choice.message.model_dump(exclude_none=True), "token_ids": gen1}
+            result = {"role": "tool", "tool_call_id": call.id, "content": "42 数 😀"}
+            messages = [*QUESTION, assistant, result]
+            second = await client.chat.completions.create(messages=messages, **common)
+            p2 = second.model_extra["prompt_token_ids"]
+            assert p2[: len(p1) + len(gen1)] == p1 + gen1  # continued from exactly those ids
+            tail = tok.decode(p2[len(p1) + len(gen1):])
+            assert tail == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n42 数 😀\n</tool_response>"
+                            "<|im_end|>\n<|im_start|>assistant\n")
+            assert second.choices[0].finish_reason == "tool_calls"
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(serve, 60)
         await engine.shutdown()

@@ -14,17 +14,10 @@ from the same contract models.
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from services.common.process import free_port
 from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig, RolloutConfig
 from services.rollout.server import create_app
@@ -39,6 +32,7 @@ from services.transport.sandbox.schemas import (
     SessionResponse,
 )
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
+from tests.helpers.uvicorn_app import serving
 
 pytestmark = pytest.mark.integration
 
@@ -115,22 +109,6 @@ def stand_in(degraded: bool) -> FastAPI:
         return SessionResponse(session_id="s1", ttl_s=60.0, memory_limit_MB=1024)
 
     return app
-
-
-@asynccontextmanager
-async def serving(app: FastAPI) -> AsyncIterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert not task.done() and time.monotonic() < deadline, "uvicorn did not start"
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
 
 
 async def test_the_bytes_on_the_wire_are_sandboxfusions() -> None:

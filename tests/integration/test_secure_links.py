@@ -28,10 +28,9 @@ from typing import Any
 import httpx
 import pytest
 import redis.exceptions as rexc
-import uvicorn
 
 from services.common.config import ConfigError
-from services.common.process import ServiceProcess, free_port
+from services.common.process import ServiceProcess
 from services.common.queue import RedisAuth, RedisStream, connect, publish_and_ack
 from services.common.schemas import ChatMessage, Group, PromptJob
 from services.common.security import SecretRef, ServerSecurity, TLSClientFiles, TLSServerFiles
@@ -51,6 +50,7 @@ from services.transport.weights.tls import ChannelSecurity
 from tests.helpers.agent_fixtures import ScriptedEngine, make_tokenizer
 from tests.helpers.secure import PKI, SecureRedis, mint
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.uvicorn_app import serving
 
 pytestmark = pytest.mark.integration
 TOK = make_tokenizer()
@@ -299,19 +299,8 @@ async def https_rollout(pki, secure_sandbox, secure_reward) -> AsyncIterator[str
     engine = _ChatScripted(TOK, {0: ["<code>print(6*7)</code>", "<answer>\\boxed{42}</answer>"],
                                  1: ["<answer>\\boxed{41}</answer>"], 2: ["It is 42."]}, version=3)
     app = create_app(cfg, engine, TOK)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           **cfg.security.uvicorn_kwargs()))
-    serve = asyncio.create_task(server.serve())
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert not serve.done() and time.monotonic() < deadline, "uvicorn did not start"
-        await asyncio.sleep(0.05)
-    try:
-        yield f"https://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serve, 30)
+    async with serving(app, scheme="https", **cfg.security.uvicorn_kwargs()) as url:
+        yield url
 
 
 def _bearer(token: str | None) -> dict[str, str]:

@@ -31,6 +31,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
+from services.rollout.engine.requests import check_prompt, stream_samples
 from services.rollout.engine.stops import StopMatcher
 from services.rollout.engine.weight_spec import WeightSpec
 
@@ -111,32 +113,16 @@ class HFEngine:
                        request_id: str) -> AsyncIterator[GenerationChunk]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        if not prompt_ids:
-            raise ValueError("prompt_ids: must not be empty")
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens exceed the context of {self.max_context}")
-        vocab = self.model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise ValueError(f"prompt_ids: token ids must be in [0, {vocab})")
+        check_prompt(prompt_ids, self.max_context, self.model.config.vocab_size)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seqs = [self._new_seq(prompt_ids, params, request_id, i, queue) for i in range(params.n)]
         self._pending.extend(seqs)
         self._ensure_loop()
         assert self._wakeup is not None
         self._wakeup.set()
-        remaining = params.n
-        try:
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
-        finally:
-            for s in seqs:
-                if not s.finished:
-                    s.aborted = True
+        async with aclosing(stream_samples(queue, seqs)) as chunks:  # closed with this generator: aborts
+            async for chunk in chunks:
+                yield chunk
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         loop = asyncio.get_running_loop()

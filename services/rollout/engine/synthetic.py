@@ -30,6 +30,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
+from services.rollout.engine.requests import check_prompt, stream_samples
 from services.rollout.engine.stops import StopMatcher
 from services.rollout.engine.synthetic_config import SyntheticEngineConfig, step_seconds
 from services.rollout.engine.synthetic_payload import fingerprint, payload_spec
@@ -130,12 +132,7 @@ class SyntheticEngine:
                        request_id: str) -> AsyncIterator[GenerationChunk]:
         if self._closed:
             raise RuntimeError("engine is shut down")
-        if not prompt_ids:
-            raise ValueError("prompt_ids: must not be empty")
-        if len(prompt_ids) >= self.max_context:
-            raise ValueError(f"prompt_ids: {len(prompt_ids)} tokens exceed the context of {self.max_context}")
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"prompt_ids: token ids must be in [0, {self.vocab_size})")
+        check_prompt(prompt_ids, self.max_context, self.vocab_size)
         queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
         seqs = [self._new_seq(prompt_ids, params, i, queue) for i in range(params.n)]
         self.stats.requests += 1
@@ -146,19 +143,9 @@ class SyntheticEngine:
         self._ensure_loop()
         assert self._wakeup is not None
         self._wakeup.set()
-        remaining = params.n
-        try:
-            while remaining:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield item
-        finally:
-            for s in seqs:
-                if not s.finished:
-                    s.aborted = True
+        async with aclosing(stream_samples(queue, seqs)) as chunks:  # closed with this generator: aborts
+            async for chunk in chunks:
+                yield chunk
 
     async def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Check the push against the served weight set, then swap fingerprint and version at once
