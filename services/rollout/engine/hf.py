@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
-from services.rollout.engine.requests import check_prompt, stream_samples
+from services.rollout.engine.requests import check_prompt, stop_loop, stream_samples
 from services.rollout.engine.stops import StopMatcher
 from services.rollout.engine.weight_spec import WeightSpec
 
@@ -130,14 +130,8 @@ class HFEngine:
 
     async def shutdown(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        for s in self._pending + self._active:
-            s.queue.put_nowait(RuntimeError("engine shut down"))
-        self._pending.clear()
-        self._active.clear()
+        task, self._task = self._task, None
+        await stop_loop(task, self._pending, self._active)
         self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ weights

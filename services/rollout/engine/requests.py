@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from services.rollout.engine.base import GenerationChunk
 
@@ -45,3 +45,15 @@ async def stream_samples(queue: asyncio.Queue[GenerationChunk | BaseException],
         for s in samples:
             if not s.finished:
                 s.aborted = True
+
+
+async def stop_loop(task: asyncio.Task[None] | None, *queued: list[Any]) -> None:
+    """Shut down: cancel the engine's step loop, then fail every sample still waiting or running
+    ("engine shut down") and empty those lists."""
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    for samples in queued:
+        for s in samples:
+            s.queue.put_nowait(RuntimeError("engine shut down"))
+        samples.clear()

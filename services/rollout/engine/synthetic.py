@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
-from services.rollout.engine.requests import check_prompt, stream_samples
+from services.rollout.engine.requests import check_prompt, stop_loop, stream_samples
 from services.rollout.engine.stops import StopMatcher
 from services.rollout.engine.synthetic_config import SyntheticEngineConfig, step_seconds
 from services.rollout.engine.synthetic_payload import fingerprint, payload_spec
@@ -157,14 +157,8 @@ class SyntheticEngine:
 
     async def shutdown(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-        for s in self._waiting + self._running:
-            s.queue.put_nowait(RuntimeError("engine shut down"))
-        self._waiting.clear()
-        self._running.clear()
+        task, self._task = self._task, None
+        await stop_loop(task, self._waiting, self._running)
         self._write_stats(force=True)
 
     # ------------------------------------------------------------------ sequences
