@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200),
+              pytest.mark.slow(reason="starts Redis, a 128-worker sandbox, reward, a rollout replica and the "
+                               "trainer, and runs two steps (265 s at load 8-10)", budget_s=900)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
