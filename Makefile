@@ -68,8 +68,11 @@ PYTEST := $(BIN)/python -m pytest -q -ra --durations=50
 test: $(STAMP) $(VLLM_STAMP)
 	bash .ci/timed test-tools bash scripts/install-test-tools.sh
 	bash .ci/timed ruff $(BIN)/ruff check services tests bench deploy
-	bash .ci/timed pytest-parallel $(PYTEST) -m "not serial" -n $(TEST_WORKERS) --dist loadfile
-	bash .ci/timed pytest-serial $(PYTEST) -m serial
+	# both tiers always run (a failure in the first must not hide the second's); either failing fails
+	status=0; \
+	bash .ci/timed pytest-parallel $(PYTEST) -m "not serial" -n $(TEST_WORKERS) --dist loadfile || status=1; \
+	bash .ci/timed pytest-serial $(PYTEST) -m serial || status=1; \
+	exit $$status
 
 bench: $(STAMP)
 	$(BIN)/python bench/sandbox.py

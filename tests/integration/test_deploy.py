@@ -37,6 +37,7 @@ from services.sandbox.launcher import SandboxProcess
 from services.sandbox.preflight import CAPABILITIES
 from services.trainer.discovery import system_resolver
 from services.trainer.loop import RunConfig
+from tests.helpers.compose import compose_defaults
 from tests.helpers.tiny_model import tiny_model_dir
 from tests.integration.test_trainer_loop import TOKEN, _config, _produce
 
@@ -67,11 +68,6 @@ _PROMQL_WORDS = {
 }
 GPU_SERVICES = ("rollout", "trainer")
 CPU_SERVICES = ("rollout-cpu", "trainer-cpu")
-
-
-def _defaults(text: str) -> str:
-    """``${VAR:-default}`` -> ``default`` (what compose interpolates when VAR is unset)."""
-    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
 
 
 def _tool(name: str) -> str:
@@ -126,7 +122,8 @@ def test_trainer_runs_under_torchrun_with_a_gpu_and_waits_for_healthy_redis_and_
         assert "/healthz" in " ".join(svc["healthcheck"]["test"]) and svc["restart"] == "unless-stopped"
         mounts = {re.match(r"^(\$\{[^}]*\}|[^:]+):([^:]+)", v).group(2) for v in svc["volumes"]}
         assert {"/checkpoints", "/data", "/models/policy", "/etc/retool"} <= mounts
-        config = DEPLOY / "trainer" / _defaults(args[args.index("--config") + 1]).removeprefix("/etc/retool/")
+        mounted = compose_defaults(args[args.index("--config") + 1])
+        config = DEPLOY / "trainer" / mounted.removeprefix("/etc/retool/")
         cfg = load_config(RunConfig, file=config)  # the run config the container uses validates
         assert cfg.metrics_port == 9100 and "9100/healthz" in " ".join(svc["healthcheck"]["test"])
         assert cfg.metrics_host == "0.0.0.0"  # Prometheus scrapes trainer:9100 from its own container
@@ -228,7 +225,7 @@ def test_uis_are_published_on_loopback_unless_opted_in():
     for name, var in (("prometheus", "PROMETHEUS_BIND"), ("grafana", "GRAFANA_BIND")):
         (spec,) = SERVICES[name]["ports"]
         assert spec.startswith(f"${{{var}:-127.0.0.1}}:"), spec
-        assert _defaults(spec).startswith("127.0.0.1:"), spec
+        assert compose_defaults(spec).startswith("127.0.0.1:"), spec
     published = [n for n, svc in SERVICES.items() if svc.get("ports")]
     assert sorted(published) == ["grafana", "prometheus"]
 

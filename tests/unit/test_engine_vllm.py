@@ -146,12 +146,14 @@ def test_the_compose_gpu_rollout_settings_are_accepted():
 
     from services.common.config import load_config
     from services.rollout.config import RolloutConfig
+    from tests.helpers.compose import compose_defaults
 
     compose = yaml.safe_load((Path(__file__).parents[2] / "deploy" / "docker-compose.yml").read_text())
     command = compose["services"]["rollout"]["command"]
-    sets = [command[i + 1] for i, arg in enumerate(command) if arg == "--set"]
+    sets = [compose_defaults(command[i + 1]) for i, arg in enumerate(command) if arg == "--set"]
     cfg = load_config(RolloutConfig, overrides=sets)
     assert cfg.engine == "vllm"
+    assert cfg.agent.allow_degraded_sandbox is False  # a degraded sandbox is refused unless set
     assert cfg.engine_kwargs["tensor_parallel_size"] == 4
     assert cfg.engine_kwargs["enable_prefix_caching"] is True
     assert 0 < cfg.engine_kwargs["gpu_memory_utilization"] < 1
