@@ -166,6 +166,8 @@ def _compose(tmp: Path, paths: dict[str, Path]) -> Compose:
         "volumes": [{"type": "bind", "source": str(paths["configs"] / "produce.py"),
                      "target": "/etc/retool/produce.py", "read_only": True}],
         "secrets": [{"source": "ca"}, {"source": "redis-rollout-password"}],
+        # the password file is 0640, readable through the secrets group as by every real service
+        "group_add": list(services["rollout-cpu"]["group_add"]),
         "depends_on": {"redis": {"condition": "service_healthy"}},
     }
     merged["networks"]["trainers"] = {"internal": True}
