@@ -168,8 +168,11 @@ class Stack:
         name = self.container("redis")
 
         def xinfo(*args: str) -> Any:
-            return json.loads(run(["docker", "exec", name, "redis-cli", "--json", "XINFO", *args, stream],
-                                  timeout=60).stdout)
+            # XINFO STREAM carries the first and last entries, whose msgpack payloads redis-cli prints
+            # as raw bytes: read bytes, and let what is not UTF-8 stand as U+FFFD (only counts are used)
+            proc = subprocess.run(["docker", "exec", name, "redis-cli", "--json", "XINFO", *args, stream],
+                                  capture_output=True, timeout=60, check=True)
+            return json.loads(proc.stdout.decode("utf-8", errors="replace"))
 
         return witness_of(xinfo("STREAM"), xinfo("GROUPS"), group)
 
