@@ -73,7 +73,15 @@ def test_trainer_on_the_host_network_and_only_redis_and_rollout_published():
     assert set(MULTINODE) == {"services", "networks", "secrets", "x-rollout-secure", "x-trainer-secure",
                               "x-secrets-group"}
     assert set(MULTINODE["services"]) == {"redis", "sandbox", "reward", "rollout", "rollout-cpu", "trainer",
-                                          "trainer-cpu", "prometheus"}
+                                          "trainer-cpu", "prometheus", "redis-data-owner"}
+    # the one-shot that hands the Redis volume to the redis user: no network, no secrets, and Redis
+    # (started as that user) waits for it
+    owner = services["redis-data-owner"]
+    assert owner["network_mode"] == "none" and "secrets" not in owner and "ports" not in owner
+    assert owner["volumes"] == services["redis"]["volumes"]
+    assert services["redis"]["user"] == "redis"
+    ready = services["redis"]["depends_on"]["redis-data-owner"]["condition"]
+    assert ready == "service_completed_successfully"
     for name in ("trainer", "trainer-cpu"):
         trainer = services[name]
         # host networking: compose refuses network_mode together with networks
