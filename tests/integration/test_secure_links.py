@@ -171,6 +171,7 @@ async def _xadd(url: str, auth: RedisAuth | None) -> Any:
 
 @pytest.mark.slow(reason="measured 227 s in CI (2026-11-28, at load): each refused client waits out its "
                   "connection attempts; not yet looked into", budget_s=600)
+@pytest.mark.timeout(600)
 async def test_redis_refuses_unauthenticated_and_wrong_certificate_clients(secure_redis, pki) -> None:
     url = secure_redis.url
     no_auth = "NOAUTH|must be called with the client already authenticated"
