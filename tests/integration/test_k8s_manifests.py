@@ -19,7 +19,6 @@ enforces the policies, GPUs scheduling, or anything running (see docs/multinode.
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from services.common.config import load_config
 from services.sandbox.container_profile import PROFILE_PATH
 from services.stack.secrets import init_secrets
 from services.trainer.loop import RunConfig
+from tests.helpers.compose import compose_defaults
 
 pytestmark = pytest.mark.integration
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -138,10 +138,6 @@ _Loader.add_constructor("!override", lambda loader, node: loader.construct_mappi
 MULTINODE = yaml.load((DEPLOY / "docker-compose.multinode.yml").read_text(), Loader=_Loader)["services"]
 
 
-def _default(text: str) -> str:
-    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", text)
-
-
 def _env(overlay: str, app: str) -> dict[str, str]:
     return {e["name"]: e["value"] for e in _container(overlay, app).get("env", []) if "value" in e}
 
@@ -158,10 +154,11 @@ def _secret_paths(overlay: str, app: str) -> set[str]:
 def test_images_ports_and_commands_are_the_compose_files(overlay: str) -> None:
     gpu = overlay == "gpu"
     images = {"redis": COMPOSE["redis"]["image"], "prometheus": COMPOSE["prometheus"]["image"],
-              "grafana": COMPOSE["grafana"]["image"], "sandbox": _default(COMPOSE["sandbox"]["image"]),
-              "reward": _default(COMPOSE["reward"]["image"]),
-              "rollout": _default(COMPOSE["rollout" if gpu else "rollout-cpu"]["image"]),
-              "trainer": _default(COMPOSE["trainer" if gpu else "trainer-cpu"]["image"])}
+              "grafana": COMPOSE["grafana"]["image"],
+              "sandbox": compose_defaults(COMPOSE["sandbox"]["image"]),
+              "reward": compose_defaults(COMPOSE["reward"]["image"]),
+              "rollout": compose_defaults(COMPOSE["rollout" if gpu else "rollout-cpu"]["image"]),
+              "trainer": compose_defaults(COMPOSE["trainer" if gpu else "trainer-cpu"]["image"])}
     for app, image in images.items():
         assert _container(overlay, app)["image"] == image, app
     ports = {"redis": {6379}, "sandbox": {8080}, "reward": {8090}, "rollout": {8000, 50051},
@@ -169,9 +166,10 @@ def test_images_ports_and_commands_are_the_compose_files(overlay: str) -> None:
     for app, want in ports.items():
         assert {p["containerPort"] for p in _container(overlay, app)["ports"]} == want, app
     # the same arguments as compose (the sandbox's concurrency at its default)
-    assert _container(overlay, "sandbox")["args"] == [_default(a) for a in COMPOSE["sandbox"]["command"]]
+    sandbox_args = [compose_defaults(a) for a in COMPOSE["sandbox"]["command"]]
+    assert _container(overlay, "sandbox")["args"] == sandbox_args
     assert _container(overlay, "reward")["args"] == COMPOSE["reward"]["command"]
-    compose_rollout = [_default(a) for a in COMPOSE["rollout" if gpu else "rollout-cpu"]["command"]]
+    compose_rollout = [compose_defaults(a) for a in COMPOSE["rollout" if gpu else "rollout-cpu"]["command"]]
     i = compose_rollout.index("--weight-token-env")  # Kubernetes: the token comes from a file
     assert _container(overlay, "rollout")["args"] == compose_rollout[:i] + compose_rollout[i + 2:]
     # Redis: the multi-machine override's command (TLS only, ACL, AOF) plus its data directory
