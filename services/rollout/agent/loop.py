@@ -141,6 +141,7 @@ class AgentLoop:
         self.cfg = cfg
         self.scorer = scorer
         self.observer = observer or AgentObserver()
+        self.draining = asyncio.Event()  # set on drain: samples stop at their next turn boundary
 
     # -- prompt ---------------------------------------------------------------------------------
     def build_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
