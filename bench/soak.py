@@ -46,12 +46,17 @@ TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
 
 # ---- /proc readings ---------------------------------------------------------------------------
 def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants."""
+    """``pid`` and all its descendants (a process that exits while it is read is skipped: its
+    ``/proc`` directory can vanish in the middle of the walk, e.g. a sandbox run ending)."""
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
         out.append(p)
-        for children in Path(f"/proc/{p}/task").glob("*/children"):
+        try:
+            tasks = list(Path(f"/proc/{p}/task").glob("*/children"))
+        except OSError:
+            continue
+        for children in tasks:
             with contextlib.suppress(OSError):
                 todo.extend(int(c) for c in children.read_text().split())
     return out

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.config import ConfigError
-from services.rollout.engine.options import check_engine_kwargs
+from services.rollout.engine.options import DEFAULT_STREAM_INTERVAL, build_engine_args, check_engine_kwargs
 from services.rollout.engine.vllm_engine import (
     WORKER_EXTENSION,
     RetoolWorkerExtension,
@@ -85,6 +85,22 @@ def test_engine_kwargs_unknown_keys_are_named():
         check_engine_kwargs("vllm", {"tensor_paralel_size": 4, "bogus": 1})
     with pytest.raises(ConfigError, match="worker_extension_cls.*set by the rollout service"):
         check_engine_kwargs("vllm", {"worker_extension_cls": "x.Y"})
+
+
+def test_stream_interval_defaults_to_8_and_can_be_overridden(tmp_path):
+    """vLLM hands a request's tokens over every ``stream_interval`` tokens: the adapter asks for 8 (our
+    per-chunk cost divided by 8, docs/scale.md); ``engine_kwargs.stream_interval`` overrides it."""
+    assert DEFAULT_STREAM_INTERVAL == 8
+    args = build_engine_args(str(tmp_path), {}, worker_extension=WORKER_EXTENSION)
+    assert args.stream_interval == 8
+    args = build_engine_args(str(tmp_path), {"stream_interval": 1}, worker_extension=WORKER_EXTENSION)
+    assert args.stream_interval == 1
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", True])
+def test_a_bad_stream_interval_is_named(bad):
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.stream_interval: must be an integer >= 1"):
+        check_engine_kwargs("vllm", {"stream_interval": bad})
 
 
 def _spec() -> WeightSpec:

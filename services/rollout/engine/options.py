@@ -12,6 +12,11 @@ Invariants: an unknown key, or a value vLLM's own config check refuses, is a ``C
 ``engine_kwargs.<key>`` before any engine process starts. Defaults the adapter adds (each one can be
 overridden in ``engine_kwargs`` unless said otherwise):
 - ``enable_prefix_caching=True`` (swaps reset it, see ``vllm_engine``);
+- ``stream_interval=8`` (vLLM's scheduler setting: a request's output is handed over every 8 tokens,
+  and at its first and last token, instead of every token). Rollouts need no per-token stream (stop
+  strings are matched inside vLLM), and our event loop's cost is per chunk: at 1 it is ~9 µs of
+  rollout CPU per token, at 8 ~4.5 (docs/scale.md, ``bench/scale.py --ceiling``). An integer >= 1;
+  1 restores per-token streaming;
 - on the CPU build: a KV cache of ``kv_cache_memory_bytes=1 GiB`` unless ``VLLM_CPU_KVCACHE_SPACE``
   is set (vLLM would otherwise ask for most of the RAM), and ``enable_chunked_prefill=False`` with
   ``max_num_batched_tokens >= max_model_len`` — required, not a default: the CPU build's seeded
@@ -32,6 +37,7 @@ from services.common.config import ConfigError
 
 RESERVED_VLLM_KEYS = ("model", "worker_extension_cls")
 CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_STREAM_INTERVAL = 8
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
@@ -75,6 +81,11 @@ def check_engine_kwargs(engine: str, kwargs: dict[str, Any]) -> None:
         shown = allowed if len(allowed) <= 12 else [*allowed[:12], "..."]
         raise ConfigError(
             f"engine_kwargs: unknown for engine={engine}: {', '.join(unknown)}{hint}; accepted: {shown}")
+    if engine == "vllm" and "stream_interval" in kwargs:
+        value = kwargs["stream_interval"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"engine_kwargs.stream_interval: must be an integer >= 1 (tokens per streamed "
+                              f"chunk), got {value!r}")
 
 
 def is_cpu_platform() -> bool:
@@ -89,7 +100,7 @@ def build_engine_args(model_dir: str, engine_kwargs: dict[str, Any], *, worker_e
     from vllm import AsyncEngineArgs
 
     check_engine_kwargs("vllm", engine_kwargs)
-    kwargs: dict[str, Any] = {"enable_prefix_caching": True}
+    kwargs: dict[str, Any] = {"enable_prefix_caching": True, "stream_interval": DEFAULT_STREAM_INTERVAL}
     if is_cpu_platform():
         if engine_kwargs.get("enable_chunked_prefill"):
             raise ConfigError(
