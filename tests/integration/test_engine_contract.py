@@ -101,6 +101,30 @@ async def test_seeds_reproduce_and_n_samples_are_independent(engine):
     assert [r.token_ids for r in a] != [r.token_ids for r in c]
 
 
+async def test_vllm_streams_chunks_of_its_stream_interval(engine, refs):
+    """vLLM (adapter default ``stream_interval`` 8): a sample's tokens arrive as the first token, then
+    chunks of 8, then the rest; each chunk's log-probs and versions align with its tokens, and the
+    whole equals the teacher-forced forward (nothing lost or duplicated by the batching)."""
+    if engine.kind != "vllm":
+        pytest.skip("stream_interval is vLLM's setting (the synthetic engine's is tested in its unit tests)")
+    from services.rollout.engine.options import DEFAULT_STREAM_INTERVAL
+
+    prompt = _prompt(engine)
+    params = SamplingParams(temperature=1.0, max_tokens=30, seed=11, n=2)
+    sizes: dict[int, list[int]] = {0: [], 1: []}
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    logprobs: dict[int, list[float]] = {0: [], 1: []}
+    async for chunk in engine.generate(prompt, params, "si"):
+        assert len(chunk.token_ids) == len(chunk.logprobs) == len(chunk.versions)
+        sizes[chunk.index].append(len(chunk.token_ids))
+        tokens[chunk.index] += chunk.token_ids
+        logprobs[chunk.index] += chunk.logprobs
+    for i in (0, 1):
+        assert len(tokens[i]) == params.max_tokens
+        assert sizes[i][0] == 1 and max(sizes[i]) == DEFAULT_STREAM_INTERVAL, sizes[i]
+        _assert_logprobs(refs[0], prompt, tokens[i], logprobs[i])
+
+
 async def test_stop_string_ending_inside_a_token_keeps_that_token(engine):
     prompt = _prompt(engine)
     [free] = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40), "free")
