@@ -8,6 +8,7 @@ Invariant: a malformed request is a 422 naming the field; the weight token is ne
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -23,6 +24,7 @@ from services.common.errors import field_error, responses
 from services.common.http_auth import protect
 from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
+from services.common.queue import RedisStream, connect
 from services.common.schemas import Group, version_range
 from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, Tokenizer
 from services.rollout.agent.sandbox import SandboxTool
@@ -31,6 +33,8 @@ from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams, engine_error
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.openai_api.router import openai_router
+from services.rollout.worker import RolloutWorker
+from services.transport.reward.client import RewardClient
 from services.transport.sandbox.client import SandboxClient, SandboxUnavailable
 
 log = get_logger("rollout")
@@ -125,8 +129,6 @@ def create_app(
     ))
     reward_client = None
     if scorer is None and cfg.reward_url:
-        from services.transport.reward.client import RewardClient
-
         reward_client = RewardClient(cfg.reward_url, timeout_s=cfg.agent.reward_timeout_s,
                                      retries_counter=metrics.retries,
                                      client_kwargs=cfg.reward_security.httpx_kwargs("reward_security"))
@@ -140,9 +142,6 @@ def create_app(
         stop = asyncio.Event()
         worker_task = redis_client = weight_server = None
         if cfg.redis.url:
-            from services.common.queue import RedisStream, connect
-            from services.rollout.worker import RolloutWorker
-
             redis_client = connect(cfg.redis.url, cfg.redis.auth)
             worker = RolloutWorker(
                 agent,
@@ -346,8 +345,6 @@ async def _close(server: Any) -> None:
 
 
 def _accepts_grace(fn: Callable[..., Any]) -> bool:
-    import inspect
-
     try:
         return len(inspect.signature(fn).parameters) >= 1
     except (TypeError, ValueError):
