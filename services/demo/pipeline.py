@@ -47,6 +47,7 @@ from services.demo.report import plot
 from services.demo.task import TaskConfig, make_splits, rl_rows, write_parquet, write_sft
 from services.eval.metrics import summarize
 from services.eval.run import collect_groups
+from services.models.tiny import init_model_dir
 from services.stack.local import start_tool_services
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
@@ -178,8 +179,6 @@ class Demo:
               f"{len(held)} held-out prompts", file=sys.stderr)
 
     def build_and_sft(self) -> Path:
-        from services.rollout.model_init import init_model_dir
-
         # lazy: SFT imports torch (~2.5 s); only this phase needs it
         from services.trainer.sft.run import SFTConfig, run_sft
 

@@ -14,9 +14,9 @@ from services.chat.tool_result import ToolResult
 from services.common.config import ConfigError
 from services.data.io import write_rows
 from services.data.retool_sft import to_messages
+from services.models.tiny import build_tokenizer
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.config import AgentConfig
-from services.rollout.model_init import build_tokenizer
 from services.trainer.sft.config import SFTDataConfig
 from services.trainer.sft.data import load_samples
 from services.trainer.sft.render import RenderError, assistant_text, render, tool_result_text
