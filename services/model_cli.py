@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from services.common.config import ConfigError
-from services.models.tiny import PRESETS, TOKENIZERS, init_model_dir
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -24,6 +23,9 @@ def init_tiny(
                                     "preset's; untied with qwen2.5, as in Qwen2.5-7B/32B)"),
 ) -> None:
     """Write a randomly initialised Qwen2-architecture model and its byte-level BPE tokenizer."""
+    # lazy: the factory imports the chat templates (~20 ms): not at CLI start
+    from services.models.tiny import PRESETS, TOKENIZERS, init_model_dir
+
     size = size or ("mini" if tokenizer == "qwen2.5" else "tiny")
     if size not in PRESETS:
         raise ConfigError(f"size: {size!r} is not one of {sorted(PRESETS)}")
