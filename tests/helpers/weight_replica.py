@@ -51,6 +51,16 @@ async def greedy(engine: HFEngine) -> list[int]:
     return (await collect(engine, prompt, GREEDY, "g"))[0].token_ids
 
 
+async def greedy_of(model_dir: str | Path) -> list[int]:
+    """``greedy`` of a fresh engine on ``model_dir`` (what a replica must answer once it serves those
+    weights); the engine is shut down before returning."""
+    reference = HFEngine(str(model_dir))
+    try:
+        return await greedy(reference)
+    finally:
+        await reference.shutdown()
+
+
 def train_once(model: Any, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """One optimiser step of ``model`` (a transformers causal LM) on random tokens; its parameters
     after it (a trainer's master weights, as the pusher gets them)."""

@@ -33,7 +33,7 @@ from services.transport.weights.client import (
     push_state_dict_async,
 )
 from tests.helpers.tiny_model import tiny_model_dir
-from tests.helpers.weight_replica import greedy, hf_replica, same, snapshot
+from tests.helpers.weight_replica import greedy, greedy_of, hf_replica, same, snapshot
 
 pytestmark = pytest.mark.integration
 TOKEN = "push-token-5d1e"
@@ -54,11 +54,7 @@ async def replica(dirs) -> AsyncIterator[tuple[HFEngine, str, MetricsRegistry]]:
 async def test_push_changes_greedy_output_and_bumps_version(replica, dirs):
     engine, target, registry = replica
     before = await greedy(engine)
-    reference = HFEngine(dirs[1])
-    try:
-        expected = await greedy(reference)
-    finally:
-        await reference.shutdown()
+    expected = await greedy_of(dirs[1])
     assert expected != before  # the two seeds really differ
     report = await push_checkpoint_async(dirs[1], [target], TOKEN, version=None, bucket_bytes=64 << 10)
     assert report.version == 1 and engine.version == 1 and await get_version(target) == 1
@@ -151,11 +147,7 @@ async def test_adopted_buffers_are_never_staged_into_after_repeated_pushes(repli
     exactly those of the last complete push."""
     engine, target, _ = replica
     a, b = dict(iter_checkpoint(dirs[0])), dict(iter_checkpoint(dirs[1]))
-    reference = HFEngine(dirs[1])
-    try:
-        expected_b = await greedy(reference)
-    finally:
-        await reference.shutdown()
+    expected_b = await greedy_of(dirs[1])
     initial = _ptrs(engine)
     ptrs = []
     for version, state in ((1, b), (2, a), (3, b)):

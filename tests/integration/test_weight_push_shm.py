@@ -30,7 +30,7 @@ from services.transport.weights.client import (
 )
 from services.transport.weights.shm import PREFIX, ShmMapping
 from tests.helpers.tiny_model import tiny_model_dir
-from tests.helpers.weight_replica import greedy, hf_replica, same, snapshot
+from tests.helpers.weight_replica import greedy, greedy_of, hf_replica, same, snapshot
 
 pytestmark = pytest.mark.integration
 TOKEN = "shm-token-7c2a"
@@ -85,11 +85,7 @@ def _segment_of(engine: HFEngine, layout: pb.ShmLayout) -> set[int]:
 async def test_shm_push_changes_greedy_output_and_bumps_version(replica, dirs, states):
     engine, target = replica
     before = await greedy(engine)
-    reference = HFEngine(dirs[1])
-    try:
-        expected = await greedy(reference)
-    finally:
-        await reference.shutdown()
+    expected = await greedy_of(dirs[1])
     assert expected != before  # the two seeds really differ
     report = await push_state_dict_shm_async(states[1].items(), target, version=1, token=TOKEN)
     assert report.version == 1 and engine.version == 1 and await get_version(target) == 1
