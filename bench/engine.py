@@ -92,7 +92,7 @@ def main() -> None:
     vllm_kwargs: dict[str, Any] = {"dtype": args.vllm_dtype, "enforce_eager": not args.compile,
                                    "max_model_len": 1024, "max_num_seqs": max(args.concurrency)}
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="bench-engine-"))
     try:

@@ -122,7 +122,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from transformers import AutoTokenizer
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     result: dict[str, Any] = {"vocab_rows": 151936, "turns": args.turns, "rollout": [], "trainer": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -197,7 +197,7 @@ def start_rollouts(stack: contextlib.ExitStack, args: argparse.Namespace, out: P
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -363,7 +363,7 @@ def ceiling(args: argparse.Namespace, label: str, tree: str) -> dict[str, Any]:
     frames are summarised."""
     import httpx
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

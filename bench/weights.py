@@ -229,7 +229,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
     from services.trainer.push import WeightPusher
     from services.transport.weights.client import get_replica_state, push_state_dict_shm
 

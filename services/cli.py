@@ -10,23 +10,22 @@ import sys
 
 import typer
 
+from services import demo, model_cli
+from services import eval as eval_cli
 from services.common.config import ConfigError
+from services.data import cli as data_cli
+from services.reward import cli as reward_cli
+from services.rollout import cli as rollout_cli
+from services.sandbox import cli as sandbox_cli
+from services.stack import secrets_cli
+from services.trainer import cli as trainer_cli
+from services.trainer.sft import cli as sft_cli
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="ReTool: RL post-training with a code-interpreter tool, as services.")
 
 
 def _register() -> None:
-    from services import demo, model_cli
-    from services import eval as eval_cli
-    from services.data import cli as data_cli
-    from services.reward import cli as reward_cli
-    from services.rollout import cli as rollout_cli
-    from services.sandbox import cli as sandbox_cli
-    from services.stack import secrets_cli
-    from services.trainer import cli as trainer_cli
-    from services.trainer.sft import cli as sft_cli
-
     app.add_typer(sandbox_cli.app, name="sandbox", help="Sandboxed Python execution service.")
     app.add_typer(reward_cli.app, name="reward", help="Math answer grading service.")
     app.add_typer(rollout_cli.app, name="rollout", help="Tool-using rollout service and weight push.")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from services.common.config import ConfigError
+
 app = typer.Typer(no_args_is_help=True)
 
 
@@ -21,8 +23,8 @@ def init_tiny(
                                     "preset's; untied with qwen2.5, as in Qwen2.5-7B/32B)"),
 ) -> None:
     """Write a randomly initialised Qwen2-architecture model and its byte-level BPE tokenizer."""
-    from services.common.config import ConfigError
-    from services.rollout.model_init import PRESETS, TOKENIZERS, init_model_dir
+    # lazy: the factory imports the chat templates (~20 ms): not at CLI start
+    from services.models.tiny import PRESETS, TOKENIZERS, init_model_dir
 
     size = size or ("mini" if tokenizer == "qwen2.5" else "tiny")
     if size not in PRESETS:

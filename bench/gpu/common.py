@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from services.rollout.model_init import PRESETS, ModelPreset
+from services.models.tiny import PRESETS, ModelPreset
 
 # Qwen2.5-0.5B's shape (random weights, built here: nothing is downloaded)
 QWEN_05B = ModelPreset(

@@ -12,7 +12,7 @@ from bench.gpu.common import Ctx
 
 def run(ctx: Ctx) -> None:
     from bench.engine import _measure
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     sizes = ctx.sizes
     model_dir = init_model_dir(ctx.work / "engine-model", sizes.engine_preset, seed=0)  # type: ignore[arg-type]

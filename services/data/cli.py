@@ -24,6 +24,7 @@ def dapo(
     limit: int | None = typer.Option(None, help="stop after this many output rows"),
 ) -> None:
     """DAPO-Math-17k → RL training parquet (validated, deduplicated)."""
+    # lazy: pyarrow (~0.7 s): each command loads its own preparer, none at CLI start
     from services.data.dapo import prepare_dapo
 
     _finish(prepare_dapo(input, output, tool_instruction=tool_instruction, dedupe=dedupe, limit=limit))
@@ -37,6 +38,7 @@ def retool_sft(
     limit: int | None = typer.Option(None),
 ) -> None:
     """ReTool-SFT traces → multi-turn chat messages."""
+    # lazy: pyarrow: see dapo
     from services.data.retool_sft import prepare_retool_sft
 
     if format not in ("code", "hermes"):
@@ -52,6 +54,7 @@ def aime(
     tool_instruction: bool = typer.Option(False),
 ) -> None:
     """AIME rows → validation parquet."""
+    # lazy: pyarrow: see dapo
     from services.data.aime import prepare_aime
 
     _finish(prepare_aime(input, output, data_source=source, tool_instruction=tool_instruction))

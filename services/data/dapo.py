@@ -9,6 +9,7 @@ the file also works with verl; ``extra_info`` gains ``problem`` and ``source_row
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -135,8 +136,6 @@ def prepare_dapo(
 
 def _plain(extra: dict[str, Any]) -> dict[str, Any]:
     """Nested extra_info as a JSON-able dict with stable types (parquet needs one schema)."""
-    import json
-
     return {
         "index": str(extra.get("index", "")),
         "problem": extra["problem"],

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from services.common.config import ConfigError
 from services.common.schemas import ChatMessage, PromptJob, RolloutSampling
+from services.data.io import iter_rows
 
 
 def load_prompt_jobs(
@@ -20,8 +21,6 @@ def load_prompt_jobs(
     With ``sampling.seed`` set, row ``k`` gets seed ``seed + 7919 * k``: every prompt draws its own
     random stream (one shared seed would give sample ``i`` of every prompt the same draws).
     """
-    from services.data.io import iter_rows
-
     jobs = []
     for index, row in iter_rows(path):
         messages = [ChatMessage(role=m["role"], content=m["content"]) for m in row["prompt"]]

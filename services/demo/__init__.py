@@ -12,6 +12,8 @@ from typing import Any
 
 import typer
 
+from services.common.config import ConfigError, load_config
+
 
 def run(
     out: Path | None = typer.Option(None, "--out", help="output directory (report.json, plot, logs); "
@@ -23,7 +25,7 @@ def run(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON DemoConfig file"),
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set grpo.steps=20"),
 ) -> None:
-    from services.common.config import ConfigError, load_config
+    # lazy: the demo's pipeline and the local stack import numpy, httpx, pyarrow: not at CLI start
     from services.demo.pipeline import QUICK, RECOVERY, RECOVERY_QUICK, Demo, DemoConfig
     from services.stack.local import run_interruptible
 

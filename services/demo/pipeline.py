@@ -33,11 +33,22 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import Field
+from tqdm import tqdm
 
 from services.common.config import StrictModel
+from services.common.process import ServiceProcess, free_port
+from services.common.redis_server import PrivateRedis
+from services.common.schemas import RolloutSampling
+from services.common.tool_curves import tool_curves
+from services.data.prompt_jobs import load_prompt_jobs
 from services.demo import recovery_task
 from services.demo.recovery_task import RecoveryTaskConfig
+from services.demo.report import plot
 from services.demo.task import TaskConfig, make_splits, rl_rows, write_parquet, write_sft
+from services.eval.metrics import summarize
+from services.eval.run import collect_groups
+from services.models.tiny import init_model_dir
+from services.stack.local import start_tool_services
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
 # the recovery demo's per-step curves (services/common/tool_curves.py), from the trainer's metrics
@@ -168,7 +179,7 @@ class Demo:
               f"{len(held)} held-out prompts", file=sys.stderr)
 
     def build_and_sft(self) -> Path:
-        from services.rollout.model_init import init_model_dir
+        # lazy: SFT imports torch (~2.5 s); only this phase needs it
         from services.trainer.sft.run import SFTConfig, run_sft
 
         _stage(f"model: {self.cfg.model_size} preset, digit-level tokenizer; SFT")
@@ -198,10 +209,6 @@ class Demo:
         return Path(model)
 
     def start_services(self, stack: contextlib.ExitStack, model: Path) -> None:
-        from services.common.process import ServiceProcess, free_port
-        from services.common.redis_server import PrivateRedis
-        from services.stack.local import start_tool_services
-
         logs = self.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         if self.cfg.redis_url:
@@ -233,12 +240,6 @@ class Demo:
 
     def evaluate(self, when: str) -> dict[str, float | None]:
         """One response per held-out prompt, same sampling seeds every time (``load_prompt_jobs``)."""
-        from services.common.schemas import RolloutSampling
-        from services.common.tool_curves import tool_curves
-        from services.data.prompt_jobs import load_prompt_jobs
-        from services.eval.metrics import summarize
-        from services.eval.run import collect_groups
-
         sampling = RolloutSampling(temperature=self.cfg.eval_temperature, max_tokens=self.cfg.max_tokens,
                                    seed=self.cfg.seed + 17)
         jobs = load_prompt_jobs(self.heldout_parquet, 1, sampling, self.cfg.max_turns)
@@ -254,8 +255,6 @@ class Demo:
         return out
 
     def grpo(self, model: Path) -> int:
-        from tqdm import tqdm
-
         g = self.cfg.grpo
         grpo_dir = self.out / "grpo"
         shutil.rmtree(grpo_dir, ignore_errors=True)  # a fresh run: the trainer would resume a checkpoint
@@ -345,9 +344,8 @@ class Demo:
 
     # ---- all -------------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        # lazy: torch (~2.5 s); the module is imported to build the config (retool demo --help, tests)
         import torch
-
-        from services.demo.report import plot
 
         start = time.monotonic()
         torch.set_num_threads(self.cfg.torch_threads)

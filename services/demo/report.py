@@ -28,6 +28,7 @@ def _curve(ax: Any, steps: list[int], grpo: list[dict[str, Any]], evals: dict[st
 
 
 def plot(metrics: Path, out: Path) -> Path:
+    # lazy: matplotlib costs ~3 s of import and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")

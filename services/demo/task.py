@@ -19,6 +19,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from services.chat.tool_result import format_run_result
 from services.common.config import StrictModel
 from services.transport.sandbox.schemas import CommandRunResult, CommandRunStatus, RunCodeResponse, RunStatus
@@ -121,9 +124,6 @@ def rl_rows(problems: list[Problem], prefix: str) -> list[dict[str, Any]]:
 
 
 def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import typer
 
+from services.common.config import load_config
+
 
 def eval_command(
     model: Path | None = typer.Option(None, "--model",
@@ -23,7 +25,7 @@ def eval_command(
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON EvalConfig file"),
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set temperature=0.6"),
 ) -> None:
-    from services.common.config import load_config
+    # lazy: the evaluation and the local stack import numpy, httpx, pyarrow: not at CLI start
     from services.eval.run import EvalConfig, evaluate
     from services.stack.local import run_interruptible
 

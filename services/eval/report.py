@@ -88,6 +88,7 @@ def markdown(report: EvalReport) -> str:
 
 def plot_curves(report: EvalReport, out: Path) -> Path:
     """best@k, maj@k and worst@k against k, one panel per data source."""
+    # lazy: matplotlib costs ~3 s of import and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,6 +121,7 @@ def plot_curves(report: EvalReport, out: Path) -> Path:
 
 def plot_distributions(turns: list[int], lengths: list[int], out: Path) -> Path:
     """Histograms of turns per response and of response length (tokens)."""
+    # lazy: matplotlib costs ~3 s of import and only the plots need it
     import matplotlib
 
     matplotlib.use("Agg")

@@ -18,15 +18,20 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from services.common.config import ConfigError
+from services.common.process import ServiceProcess
 from services.common.schemas import Group, PromptJob, RolloutSampling
+from services.data.prompt_jobs import load_prompt_jobs
 from services.eval.metrics import reference_metrics, summarize
+from services.eval.report import markdown, plot_curves, plot_distributions
 from services.eval.schemas import EvalConfig, EvalReport
+from services.stack.local import start_tool_services
+from services.transport.rollout.client import rollout_groups
 
 
 def _jobs(cfg: EvalConfig) -> list[PromptJob]:
-    from services.data.prompt_jobs import load_prompt_jobs
-
     sampling = RolloutSampling(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
                                seed=cfg.seed)
     jobs = load_prompt_jobs(cfg.data, cfg.n, sampling, cfg.max_turns)
@@ -34,9 +39,6 @@ def _jobs(cfg: EvalConfig) -> list[PromptJob]:
 
 
 def _start_local_rollout(stack: contextlib.ExitStack, cfg: EvalConfig, out: Path) -> str:
-    from services.common.process import ServiceProcess
-    from services.stack.local import start_tool_services
-
     logs = out / "logs"
     sandbox_url, reward_url = start_tool_services(stack, logs)
     rollout = stack.enter_context(ServiceProcess(
@@ -50,10 +52,6 @@ def _start_local_rollout(stack: contextlib.ExitStack, cfg: EvalConfig, out: Path
 async def collect_groups(urls: list[str], jobs: list[PromptJob], concurrency: int, desc: str = "eval"
                          ) -> list[Group]:
     """``groups[i]`` answers ``jobs[i]``; a progress bar shows accuracy and tool use so far."""
-    from tqdm import tqdm
-
-    from services.transport.rollout.client import rollout_groups
-
     bar = tqdm(total=len(jobs), desc=desc, unit="prompt")
     stats = {"correct": 0, "tool": 0, "responses": 0}
 
@@ -72,8 +70,6 @@ async def collect_groups(urls: list[str], jobs: list[PromptJob], concurrency: in
 
 
 def write_outputs(report: EvalReport, jobs: list[PromptJob], groups: list[Group], out: Path) -> None:
-    from services.eval.report import markdown, plot_curves, plot_distributions
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(report.model_dump_json(indent=2))
     (out / "report.md").write_text(markdown(report))

@@ -7,33 +7,28 @@ from pathlib import Path
 
 import typer
 
+from services.common.cli_config import config_option, dry_run_option, resolve_config, set_option
+
 app = typer.Typer(no_args_is_help=True)
-
-
-def _config(config: Path | None, overrides: list[str], **values: object):  # noqa: ANN202
-    from services.common.config import load_config
-    from services.reward.config import RewardConfig
-
-    return load_config(
-        RewardConfig, file=config, env_prefix="RETOOL_REWARD", values=values, overrides=overrides
-    )
 
 
 @app.command("serve")
 def serve(
     host: str | None = typer.Option(None),
     port: int | None = typer.Option(None),
-    config: Path | None = typer.Option(None, "--config", "-c"),
-    set_: list[str] = typer.Option([], "--set", help="override, e.g. --set timeout_s=1"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved, validated config and exit"),
+    config: Path | None = config_option(),
+    set_: list[str] = set_option("timeout_s=1"),
+    dry_run: bool = dry_run_option(),
 ) -> None:
     """Start the reward HTTP service."""
-    cfg = _config(config, set_, host=host, port=port)
-    if dry_run:
-        from services.common.config import dump_config
+    # lazy: `retool --help` imports every command module; config models cost ~10-40 ms each
+    from services.reward.config import RewardConfig
 
-        typer.echo(dump_config(cfg))
+    cfg = resolve_config(RewardConfig, config=config, env_prefix="RETOOL_REWARD", overrides=set_,
+                         values={"host": host, "port": port}, dry_run=dry_run)
+    if cfg is None:
         return
+    # lazy: uvicorn and the app (fastapi, sympy: seconds) load when serving, not at CLI start
     import uvicorn
 
     from services.common.logging import setup_logging
@@ -49,16 +44,19 @@ def grade(
     response: str = typer.Option(..., help="model response text"),
     ground_truth: str = typer.Option(..., help="reference answer"),
     num_tool_calls: int = typer.Option(0),
-    config: Path | None = typer.Option(None, "--config", "-c"),
-    set_: list[str] = typer.Option([], "--set"),
+    config: Path | None = config_option(),
+    set_: list[str] = set_option("timeout_s=1"),
 ) -> None:
     """Grade one response from the shell; prints the JSON result."""
+    # lazy: the config and the grader (asyncio: ~80 ms) are not needed at CLI start
     import asyncio
 
+    from services.reward.config import RewardConfig
     from services.reward.grader import Grader
     from services.reward.scoring import score
 
-    cfg = _config(config, set_)
+    cfg = resolve_config(RewardConfig, config=config, env_prefix="RETOOL_REWARD", overrides=set_)
+    assert cfg is not None  # no --dry-run here
 
     async def run() -> dict[str, object]:
         grader = Grader(1, cfg.timeout_s, cfg.max_answer_chars, cfg.max_queue)

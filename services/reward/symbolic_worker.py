@@ -6,7 +6,9 @@ timed batch cannot reuse parses from an earlier run.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import signal
 import sys
 
 from services.reward.symbolic import clear_cache, symbolic_equal
@@ -40,9 +42,6 @@ WARM_UP = [  # exercise the lazily imported parts of sympy before saying ready: 
 
 
 def _die_with_parent() -> None:
-    import ctypes
-    import signal
-
     pr_set_pdeathsig = 1
     ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from services.common.cli_config import config_option, dry_run_option, resolve_config, set_option
+
 app = typer.Typer(no_args_is_help=True)
 
 
@@ -25,12 +27,12 @@ def serve(
     tool_format: str | None = typer.Option(None, help="code | hermes"),
     weight_token_env: str | None = typer.Option(None, help="NAME of the env var holding the weight token"),
     weight_token_file: Path | None = typer.Option(None, help="file holding the weight token"),
-    config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON config file"),
-    set_: list[str] = typer.Option([], "--set", help="override, e.g. --set agent.max_turns=4"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved, validated config and exit"),
+    config: Path | None = config_option(),
+    set_: list[str] = set_option("agent.max_turns=4"),
+    dry_run: bool = dry_run_option(),
 ) -> None:
     """Start the rollout service (HTTP API, optional Redis worker and gRPC weight push)."""
-    from services.common.config import dump_config, load_config
+    # lazy: the config names the Redis client's types (redis, ~1 s of import): not at CLI start
     from services.rollout.config import RolloutConfig
 
     values: dict[str, object] = {
@@ -47,11 +49,11 @@ def serve(
         values["redis"] = {"url": redis_url}
     if tool_format:
         values["agent"] = {"tool_format": tool_format}
-    cfg = load_config(RolloutConfig, file=config, env_prefix="RETOOL_ROLLOUT", values=values, overrides=set_)
-    if dry_run:
-        typer.echo(dump_config(cfg))
+    cfg = resolve_config(RolloutConfig, config=config, env_prefix="RETOOL_ROLLOUT", overrides=set_,
+                         values=values, dry_run=dry_run)
+    if cfg is None:
         return
-    from services.rollout.runtime import run_server
+    from services.rollout.runtime import run_server  # lazy: see RolloutConfig above
 
     run_server(cfg)
 
@@ -69,6 +71,7 @@ def push_weights(
     server_name: str | None = typer.Option(None, help="name the replicas' certificates carry (e.g. rollout)"),
 ) -> None:
     """Stream a checkpoint's weights to rollout replicas over gRPC (TLS with --ca-file)."""
+    # lazy: ssl (TLS files) and the runtime, which imports the rollout config (redis, see serve)
     from services.common.security import TLSClientFiles
     from services.rollout.runtime import push_weights as do_push
 

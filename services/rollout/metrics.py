@@ -6,6 +6,7 @@ Invariant: one registry per app (several apps may live in one test process).
 from __future__ import annotations
 
 from services.common.metrics import MetricsRegistry
+from services.common.queue import CONNECTION_ERROR_HOOKS
 from services.common.schemas import Trajectory
 from services.rollout.agent.loop import AgentObserver
 
@@ -69,7 +70,6 @@ class RolloutMetrics(AgentObserver):
         for target in ("sandbox", "reward"):  # the series exist (at 0) before the first retry
             self.retries.labels(target, "connect")
         self.retries.labels("redis", "connection")
-        from services.common.queue import CONNECTION_ERROR_HOOKS
 
         # the queue client's retries of a restarting Redis (services/common/queue.py)
         CONNECTION_ERROR_HOOKS.append(self.retries.labels("redis", "connection").inc)

@@ -16,6 +16,7 @@ from services.common.config import ConfigError
 from services.common.logging import get_logger, setup_logging
 from services.common.security import TLSClientFiles, read_secret
 from services.rollout.config import RolloutConfig, read_weight_token
+from services.rollout.engine.options import check_engine_kwargs
 
 log = get_logger("rollout")
 _TARGET = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
@@ -27,10 +28,10 @@ def load_engine(cfg: RolloutConfig) -> tuple[Any, Any]:
         raise ConfigError("model: a model directory is required (--model DIR)")
     if not Path(cfg.model).is_dir():
         raise ConfigError(f"model: {cfg.model} is not a directory")
-    from services.rollout.engine.options import check_engine_kwargs
 
     check_engine_kwargs(cfg.engine, cfg.engine_kwargs)  # before any engine starts
     if cfg.engine == "hf":
+        # lazy: each engine imports torch (and its own stack): only the chosen one loads
         from services.rollout.engine.hf import HFEngine
 
         try:
@@ -39,10 +40,12 @@ def load_engine(cfg: RolloutConfig) -> tuple[Any, Any]:
             raise ConfigError(f"engine_kwargs: {exc}") from exc
         return engine, engine.tokenizer
     if cfg.engine == "synthetic":
+        # lazy: torch: see hf above
         from services.rollout.engine.synthetic import SyntheticEngine
 
         engine = SyntheticEngine(cfg.model, **cfg.engine_kwargs)
         return engine, engine.tokenizer
+    # lazy: torch and vLLM: see hf above
     from services.rollout.engine.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(cfg.model, **cfg.engine_kwargs)
@@ -51,6 +54,7 @@ def load_engine(cfg: RolloutConfig) -> tuple[Any, Any]:
 
 def _weight_server_factory() -> Any:
     try:
+        # lazy: torch and grpc: only with grpc_port set
         from services.rollout.weights.server import start_weight_server
     except ImportError:
         return None
@@ -58,6 +62,7 @@ def _weight_server_factory() -> Any:
 
 
 def run_server(cfg: RolloutConfig) -> None:
+    # lazy: uvicorn and the app (torch) load when serving, not at CLI start
     import uvicorn
 
     from services.rollout.server import create_app
@@ -104,6 +109,7 @@ def push_weights(
     token = read_secret(str(token_file) if token_file is not None else None, token_env, "token_file")
     if not token:
         raise ConfigError(f"token: set the env var {token_env!r} or pass --token-file")
+    # lazy: grpc and the weight client (torch) only for push-weights
     import grpc
 
     from services.transport.weights.client import WeightPushError, push_checkpoint

@@ -1,4 +1,5 @@
-"""FastAPI app of the rollout service: ``POST /v1/rollouts`` (JSON or SSE), ``/healthz``, ``/metrics``.
+"""FastAPI app of the rollout service: ``/healthz``, ``/metrics``, and the routers of ``POST /v1/rollouts``
+(routes/rollouts.py) and the OpenAI API (openai_api/router.py).
 
 The app owns the agent loop (engine + tokenizer + sandbox/reward clients) and, when configured,
 the Redis worker and the gRPC weight-push server, all started and stopped with its lifespan.
@@ -8,30 +9,29 @@ Invariant: a malformed request is a 422 naming the field; the weight token is ne
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import torch
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.common.errors import error as api_error
-from services.common.errors import field_error, responses
 from services.common.http_auth import protect
 from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
-from services.common.schemas import Group, version_range
-from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, Tokenizer
+from services.common.queue import RedisStream, connect
+from services.rollout.agent.loop import AgentLoop, Scorer, Tokenizer
 from services.rollout.agent.sandbox import SandboxTool
-from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
 from services.rollout.engine.base import Engine, GenerationChunk, SamplingParams, engine_error
 from services.rollout.metrics import RolloutMetrics
 from services.rollout.openai_api.router import openai_router
-from services.transport.sandbox.client import SandboxClient, SandboxUnavailable
+from services.rollout.routes.rollouts import rollouts_router
+from services.rollout.worker import RolloutWorker
+from services.transport.reward.client import RewardClient
+from services.transport.sandbox.client import SandboxClient
 
 log = get_logger("rollout")
 T = TypeVar("T")
@@ -90,15 +90,6 @@ class TimedEngine:
         return value
 
 
-# /v1/rollouts: JSON (a Group) or, with stream, server-sent events; and every error it answers
-ROLLOUT_RESPONSES = {
-    200: {"model": Group, "description": "the scored group, or with stream=true server-sent events",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-    **responses(400, 401, 422, 429, 502, 503, descriptions={
-        502: "the sandbox or reward service failed", 503: "the engine is down: restart the service"}),
-}
-
-
 def create_app(
     cfg: RolloutConfig,
     engine: Engine,
@@ -125,8 +116,6 @@ def create_app(
     ))
     reward_client = None
     if scorer is None and cfg.reward_url:
-        from services.transport.reward.client import RewardClient
-
         reward_client = RewardClient(cfg.reward_url, timeout_s=cfg.agent.reward_timeout_s,
                                      retries_counter=metrics.retries,
                                      client_kwargs=cfg.reward_security.httpx_kwargs("reward_security"))
@@ -140,9 +129,6 @@ def create_app(
         stop = asyncio.Event()
         worker_task = redis_client = weight_server = None
         if cfg.redis.url:
-            from services.common.queue import RedisStream, connect
-            from services.rollout.worker import RolloutWorker
-
             redis_client = connect(cfg.redis.url, cfg.redis.auth)
             worker = RolloutWorker(
                 agent,
@@ -203,125 +189,9 @@ def create_app(
     add_observability_routes(app, metrics.registry, health)
 
     app.include_router(openai_router(cfg, timed, tokenizer, metrics, state))
-
-    @app.post("/v1/rollouts", response_model=None, responses=ROLLOUT_RESPONSES)
-    async def rollouts(req: RolloutRequest) -> JSONResponse | StreamingResponse:
-        if (error := engine_error(engine)) is not None:  # e.g. vLLM's engine core died: restart me
-            metrics.requests.labels("rejected").inc()
-            return api_error(503, f"engine unavailable: {error}")
-        if req.n > cfg.max_n:
-            return field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
-        if req.ground_truth is not None and scorer is None:
-            return field_error(["body", "ground_truth"], "this server has no reward service (reward_url)")
-        if state["in_flight"] >= cfg.max_concurrent_requests:
-            metrics.requests.labels("rejected").inc()
-            return api_error(429, "too many rollout requests in flight "
-                             f"(max_concurrent_requests={cfg.max_concurrent_requests})")
-        if req.prompt_ids is not None:
-            prompt_ids = list(req.prompt_ids)
-        else:
-            assert req.messages is not None
-            try:
-                prompt_ids = agent.build_prompt([m.model_dump(exclude_none=True) for m in req.messages])
-            except Exception as exc:  # a chat template may reject a message sequence
-                return field_error(["body", "messages"], f"chat template failed: {exc}")
-        if len(prompt_ids) > cfg.max_prompt_tokens:
-            where = ["body", "prompt_ids" if req.prompt_ids is not None else "messages"]
-            return field_error(
-                where,
-                f"prompt has {len(prompt_ids)} tokens, above the limit "
-                f"max_prompt_tokens={cfg.max_prompt_tokens}",
-            )
-        job_id = req.request_id or uuid.uuid4().hex
-        kwargs = {
-            "sampling": req.sampling,
-            "max_turns": req.max_turns,
-            "ground_truth": req.ground_truth,
-            "data_source": req.data_source,
-            "request_id": job_id,
-        }
-
-        def group_of(trajs: list[Any]) -> Group:
-            lo, hi = version_range(trajs)
-            return Group(
-                job_id=job_id,
-                prompt_ids=prompt_ids,
-                trajectories=trajs,
-                ground_truth=req.ground_truth,
-                data_source=req.data_source,
-                min_version=lo,
-                max_version=hi,
-                replica="http",
-            )
-
-        if not req.stream:
-            state["in_flight"] += 1
-            metrics.in_flight.inc()
-            try:
-                trajs = await agent.run_group(prompt_ids, req.n, **kwargs)
-            except RewardUnavailable as exc:
-                metrics.requests.labels("reward_error").inc()
-                return api_error(502, str(exc))
-            except SandboxUnavailable as exc:
-                metrics.requests.labels("sandbox_error").inc()
-                return api_error(502, str(exc))
-            finally:
-                state["in_flight"] -= 1
-                metrics.in_flight.dec()
-            metrics.requests.labels("ok").inc()
-            return JSONResponse(group_of(trajs).model_dump(mode="json"))
-        return StreamingResponse(
-            _stream(agent, prompt_ids, req.n, kwargs, job_id, timed, state, metrics),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
+    app.include_router(rollouts_router(cfg, engine, agent, scorer, state, metrics))
 
     return app
-
-
-async def _stream(
-    agent: AgentLoop,
-    prompt_ids: list[int],
-    n: int,
-    kwargs: dict[str, Any],
-    job_id: str,
-    engine: Engine,
-    state: dict[str, Any],
-    metrics: RolloutMetrics,
-) -> AsyncIterator[bytes]:
-    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-
-    async def sink(ev: dict[str, Any]) -> None:
-        await events.put(ev)
-
-    async def produce() -> None:
-        try:
-            await agent.run_group(prompt_ids, n, on_event=sink, **kwargs)
-            await events.put({"type": "end", "job_id": job_id, "n": n, "weight_version": engine.version})
-        except Exception as exc:
-            log.error("streamed rollout failed", exc_info=True)
-            await events.put({"type": "error", "detail": str(exc)})
-        finally:
-            await events.put(None)
-
-    state["in_flight"] += 1
-    metrics.in_flight.inc()
-    task = asyncio.create_task(produce())
-    ok = False
-    try:
-        while (ev := await events.get()) is not None:
-            kind = ev.pop("type")
-            ok = ok or kind == "end"
-            yield sse(kind, ev)
-    finally:
-        # When the client goes away, Starlette cancels this generator, and its cancellation is
-        # level-triggered (anyio): every ``await`` in here is cancelled again. So stop generating and
-        # do the bookkeeping before the one await, which only reaps the (cancelled) producer.
-        task.cancel()
-        state["in_flight"] -= 1
-        metrics.in_flight.dec()
-        metrics.requests.labels("ok" if ok else "error").inc()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def _worker_metrics(metrics: RolloutMetrics, worker: Any) -> None:
@@ -346,8 +216,6 @@ async def _close(server: Any) -> None:
 
 
 def _accepts_grace(fn: Callable[..., Any]) -> bool:
-    import inspect
-
     try:
         return len(inspect.signature(fn).parameters) >= 1
     except (TypeError, ValueError):

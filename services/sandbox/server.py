@@ -5,6 +5,7 @@ from __future__ import annotations
 import uvicorn
 
 from services.common.logging import get_logger, setup_logging
+from services.sandbox.app import create_app
 from services.sandbox.config import SandboxConfig
 from services.sandbox.preflight import check_isolation_available
 
@@ -12,7 +13,6 @@ from services.sandbox.preflight import check_isolation_available
 def run_server(cfg: SandboxConfig) -> None:
     setup_logging(cfg.log_level)
     check_isolation_available(cfg)
-    from services.sandbox.app import create_app
 
     get_logger("sandbox").info("starting sandbox", extra={"host": cfg.host, "port": cfg.port,
                                                          "max_concurrency": cfg.max_concurrency})

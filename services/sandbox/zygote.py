@@ -32,6 +32,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
 import importlib  # noqa: E402
+import io  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import resource  # noqa: E402
@@ -79,7 +80,6 @@ def _warm_up() -> None:
         nx.shortest_path(nx.path_graph(4), 0, 3)
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is not None:  # fonts, the Agg renderer and PNG writer, loaded once here
-        import io
 
         fig = plt.figure()
         plt.plot([0, 1], [0, 1])

@@ -16,6 +16,9 @@ from typing import TypeVar
 
 import typer
 
+from services.common.process import ServiceProcess
+from services.sandbox.launcher import SandboxProcess
+
 T = TypeVar("T")
 
 
@@ -37,9 +40,6 @@ def run_interruptible(job: Callable[[], T]) -> T:
 def start_tool_services(stack: contextlib.ExitStack, logs: Path, *, sandbox_concurrency: int = 16
                         ) -> tuple[str, str]:
     """Start the sandbox and the reward service; return their URLs ``(sandbox, reward)``."""
-    from services.common.process import ServiceProcess
-    from services.sandbox.launcher import SandboxProcess
-
     logs.mkdir(parents=True, exist_ok=True)
     sandbox = stack.enter_context(SandboxProcess(
         ["--set", f"max_concurrency={sandbox_concurrency}", "--set", "zygotes=1", "--set", "light_zygotes=1"],

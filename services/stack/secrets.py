@@ -38,6 +38,11 @@ import secrets
 import shutil
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from services.common.security import token_digest
 from services.stack.redis_acl import acl_file
 
@@ -59,7 +64,6 @@ def _names(service: str, namespace: str, extra: list[str]) -> list[str]:
 
 
 def _san(names: list[str]):  # -> x509.SubjectAlternativeName
-    from cryptography import x509
 
     entries: list[x509.GeneralName] = []
     for name in dict.fromkeys(names):
@@ -71,30 +75,20 @@ def _san(names: list[str]):  # -> x509.SubjectAlternativeName
 
 
 def _key():
-    from cryptography.hazmat.primitives.asymmetric import ec
-
     return ec.generate_private_key(ec.SECP256R1())
 
 
 def _pem_key(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
 
 
 def _pem_cert(cert) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def make_ca(common_name: str = "retool private CA", days: int = 825):
     """A self-signed CA: (key, certificate)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import NameOID
-
     key = _key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = datetime.datetime.now(datetime.UTC)
@@ -113,10 +107,6 @@ def make_ca(common_name: str = "retool private CA", days: int = 825):
 
 def issue(ca_key, ca_cert, common_name: str, names: list[str], *, client: bool = False, days: int = 825):
     """A leaf certificate signed by the CA: (key, certificate); ``client`` = clientAuth, else serverAuth."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
     key = _key()
     now = datetime.datetime.now(datetime.UTC)
     usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH

@@ -22,6 +22,7 @@ def init(
 ) -> None:
     """Write a private CA, server/client certificates, bearer tokens and the Redis ACL into OUT."""
     try:
+        # lazy: cryptography is an optional extra (deploy/dev); only this command needs it
         from services.stack.secrets import init_secrets
     except ImportError as exc:  # cryptography is in the dev and deploy extras
         raise typer.BadParameter(f"{exc}: pip install 'retool[deploy]' (the cryptography package)") from None

@@ -51,6 +51,7 @@ class Actor(nn.Module):
 def tiny_qwen2(*, hidden: int = 64, layers: int = 2, vocab: int = 256, heads: int = 4, kv_heads: int = 2,
                seed: int = 0, attn_implementation: str = "sdpa", max_positions: int = 4096) -> nn.Module:
     """A randomly initialised tiny Qwen2 causal LM (for tests and benchmarks; nothing downloaded)."""
+    # lazy: transformers adds ~5 s of import and only this function needs it
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from services.common.logging import get_logger
 from services.trainer import rng_state
 
 _STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -77,7 +78,6 @@ def _fault_hold(step: int) -> None:
     hold = os.environ.get(FAULT_HOLD_FILE)
     if not hold or not os.path.exists(hold):
         return
-    from services.common.logging import get_logger
 
     get_logger("trainer.checkpoint").warning("checkpoint hold: step %d half-written (fault injection)", step)
     deadline = time.monotonic() + 300

@@ -2,33 +2,35 @@
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from pathlib import Path
 
 import typer
+
+from services.common.cli_config import config_option, dry_run_option, resolve_config, set_option
 
 app = typer.Typer(no_args_is_help=True)
 
 
 @app.command("run")
 def run(
-    config: Path = typer.Option(..., "--config", "-c", help="YAML/JSON run config"),
-    set_: list[str] = typer.Option([], "--set", help="override, e.g. --set trainer.lr=1e-6"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved, validated config and exit"),
+    config: Path = config_option(required=True, help="YAML/JSON run config"),
+    set_: list[str] = set_option("trainer.lr=1e-6"),
+    dry_run: bool = dry_run_option(),
 ) -> None:
     """Run RL training (launch under torchrun for more than one process)."""
+    # lazy: the loop imports torch (~2.5 s) and redis: not at CLI start
     import asyncio
-    import json
-    import os
-    import sys
 
-    from services.common.config import load_config
     from services.common.logging import setup_logging
     from services.trainer.loop import RunConfig, Trainer
 
-    cfg = load_config(RunConfig, file=config, env_prefix="RETOOL_TRAINER", overrides=set_)
-    cfg.trainer.validate_parallel(int(os.environ.get("WORLD_SIZE", "1")))
-    if dry_run:
-        typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    cfg = resolve_config(RunConfig, config=config, env_prefix="RETOOL_TRAINER", overrides=set_,
+                         dry_run=dry_run,
+                         check=lambda c: c.trainer.validate_parallel(int(os.environ.get("WORLD_SIZE", "1"))))
+    if cfg is None:
         return
     setup_logging("INFO")
     steps = asyncio.run(Trainer(cfg).run())
@@ -49,7 +51,7 @@ def export(
     out: Path = typer.Option(..., help="output Hugging Face directory"),
 ) -> None:
     """Write a Hugging Face model from a training checkpoint (the rollout service loads it)."""
-    from services.trainer.export import export_hf
+    from services.trainer.export import export_hf  # lazy: torch (~2.5 s), not at CLI start
 
     typer.echo(f"wrote {export_hf(checkpoint, model, out)}")
 
@@ -64,9 +66,7 @@ def ledger(
 
     Exit status 1 when the invariant does not hold (the report names each violation).
     """
-    import json
-
-    from services.trainer.ledger import LEDGER_FILE, check_file, iter_lines
+    from services.trainer.ledger import LEDGER_FILE, check_file, iter_lines  # lazy: not at CLI start (~20 ms)
 
     file = path / LEDGER_FILE if path.is_dir() else path
     if not file.is_file():

@@ -59,6 +59,7 @@ class Critic(nn.Module):
 
 def load_critic(model_path: str, *, head_seed: int = 0) -> Critic:
     """A critic whose backbone is loaded from a Hugging Face directory (fp32 master weights)."""
+    # lazy: transformers adds ~5 s of import and only this function needs it (PPO only)
     from transformers import AutoModel
 
     return Critic(AutoModel.from_pretrained(model_path, dtype=torch.float32), head_seed=head_seed)

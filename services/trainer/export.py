@@ -8,16 +8,17 @@ from pathlib import Path
 import torch
 
 from services.common.files import make_world_readable
+from services.trainer.actor import Actor
+from services.trainer.checkpoint import load_checkpoint
+from services.trainer.config import TrainerConfig
+from services.trainer.fsdp import build_optimizer
 
 
 def export_hf(checkpoint: str | Path, base_model: str | Path, out: str | Path) -> Path:
     """Load the checkpoint's weights into the base architecture and save model + tokenizer."""
+    # lazy: transformers adds ~5 s of import and only this function needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.trainer.actor import Actor
-    from services.trainer.checkpoint import load_checkpoint
-    from services.trainer.config import TrainerConfig
-    from services.trainer.fsdp import build_optimizer
 
     lm = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     actor = Actor(lm)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -71,8 +72,6 @@ class LedgerWriter:
         self._fh = self.path.open("a", encoding="utf-8")
 
     def write(self, t: str, **fields: Any) -> None:
-        import time
-
         rec = Record(t=t, time=round(time.time(), 3), **fields)  # type: ignore[arg-type]
         self._fh.write(rec.model_dump_json(exclude_none=True, exclude_defaults=True) + "\n")
         self._fh.flush()

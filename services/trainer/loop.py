@@ -36,17 +36,44 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from services.common.config import ConfigError
 from services.common.logging import get_logger
+from services.common.metrics import MetricsRegistry
+from services.common.process import free_port
+from services.common.queue import RedisStream, connect
 from services.common.schemas import Group, PromptJob
+from services.common.security import read_secret
 from services.common.tool_curves import tool_curves
 from services.data.prompt_jobs import load_prompt_jobs
 from services.trainer import fault_mask
+from services.trainer.actor import Actor
+from services.trainer.algo.validation_metrics import compute_validation_metrics, val_samples
 from services.trainer.batch import Rollout, build_samples
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.critic import build_critic_optimizer, load_critic
+from services.trainer.discovery import resolve
+from services.trainer.feed import Batch, DeadLetters, GroupReader, PromptFeeder
+from services.trainer.fsdp import (
+    apply_fsdp2,
+    build_optimizer,
+    encode_on_device,
+    full_state_dict,
+    init_distributed,
+    wants_fsdp,
+)
+from services.trainer.ledger import LedgerWriter, ledger_path
+from services.trainer.observability import TrainerExporter, note_reissued, note_resumed, queue_stats
+from services.trainer.ppo import CriticSettings, ppo_train_step
+from services.trainer.push import WeightPusher
 from services.trainer.run_config import RunConfig  # noqa: F401 - re-exported (retool trainer run)
 from services.trainer.staleness import StalenessManager
+from services.trainer.step import DPInfo, StepSettings, model_device, train_step
 from services.trainer.trackers import Tracker, open_trackers
+from services.transport.rollout.client import rollout_groups
+from services.transport.weights.synthetic_payload import payload_tensors
+from services.transport.weights.tls import ChannelSecurity
 
 log = get_logger("trainer")
 # Fault injection for crash/resume tests: every rank SIGKILLs itself right after this step,
@@ -105,8 +132,6 @@ class MetricsSink:
         self.trackers = trackers or []
         self.exporter = None
         if port is not None:  # /metrics + /healthz, and the fixed series the alerts use
-            from services.common.metrics import MetricsRegistry
-            from services.trainer.observability import TrainerExporter
 
             self.exporter = TrainerExporter(MetricsRegistry("trainer"), port, host)
             if max_staleness is not None:
@@ -163,10 +188,8 @@ class Trainer:
 
     # ---- set-up -----------------------------------------------------------------------------
     def _setup_model(self) -> None:
+        # lazy: transformers adds ~5 s of import; the admission/recovery tests drive the loop without it
         from transformers import AutoModelForCausalLM
-
-        from services.trainer.actor import Actor
-        from services.trainer.fsdp import apply_fsdp2, build_optimizer, init_distributed, wants_fsdp
 
         if self.tcfg.model_path is None:
             raise ConfigError("trainer.model_path: a Hugging Face model directory is required")
@@ -175,7 +198,6 @@ class Trainer:
                         "changes); feed, packing and push run for real")
         torch.manual_seed(self.tcfg.seed)
         if "RANK" not in os.environ:  # not under torchrun: a one-process group on loopback
-            from services.common.process import free_port
 
             os.environ.update(
                 RANK="0",
@@ -194,8 +216,6 @@ class Trainer:
         self.critic: torch.nn.Module | None = None
         self.critic_optimizer: torch.optim.Optimizer | None = None
         if self.tcfg.algorithm == "ppo":
-            from services.trainer.critic import build_critic_optimizer, load_critic
-
             ccfg = self.tcfg.critic
             self.critic = load_critic(ccfg.model_path or self.tcfg.model_path, head_seed=self.tcfg.seed)
             if wants_fsdp(self.world):
@@ -210,10 +230,6 @@ class Trainer:
         return {"critic": (self.critic, self.critic_optimizer)}
 
     async def _setup_streams(self) -> None:
-        from services.common.queue import RedisStream, connect
-        from services.trainer.feed import DeadLetters, GroupReader, PromptFeeder
-        from services.trainer.ledger import LedgerWriter, ledger_path
-
         self.redis = connect(self.cfg.redis_url, self.cfg.redis_auth)
         groups = RedisStream(self.redis, self.cfg.groups_stream, self.cfg.consumer_group)
         await groups.ensure_group()
@@ -230,9 +246,6 @@ class Trainer:
         self.dead = DeadLetters(dead, self.cfg.consumer)
 
     def _resume(self) -> int:
-        from services.trainer.checkpoint import latest_checkpoint, load_checkpoint
-        from services.trainer.observability import note_resumed
-
         latest = latest_checkpoint(self.tcfg.checkpoint_dir)
         if latest is None:
             if self.rank == 0:
@@ -258,8 +271,6 @@ class Trainer:
         In both cases the partial batch is released (left pending in Redis, not marked seen), so
         a restarted trainer trains on it instead of dropping it as a duplicate.
         """
-        from services.trainer.feed import Batch
-
         await self.feeder.top_up()
         keep = None
         if self.tcfg.dynamic_sampling.enabled:
@@ -334,7 +345,6 @@ class Trainer:
         stats["rollout/reward_timeouts"] = float(sum(t.reward_reason == "timeout" for t in trajs))
         stats["rollout/tool_use_rate"] = sum(t.tool_calls > 0 for t in trajs) / len(trajs)
         stats.update({f"rollout/{k}": v for k, v in tool_curves(trajs).items() if v is not None})
-        from services.trainer.observability import queue_stats
 
         stats.update(await queue_stats(self.feeder.stream, self.reader.stream))
         self._last_job_ids = [g.job_id for g in groups]
@@ -372,8 +382,6 @@ class Trainer:
         return n
 
     async def _reissue_vanished(self) -> None:
-        from services.trainer.observability import note_reissued
-
         vanished = await self.feeder.vanished(self.cfg.groups_stream, self.dead.stream.stream)
         if vanished:
             note_reissued(await self.feeder.reissue(vanished))
@@ -382,9 +390,6 @@ class Trainer:
         """``val_n`` samples per validation prompt through the rollout fleet (reference metric names)."""
         if not self.cfg.val_dataset or self.rank != 0:
             return {}
-        from services.trainer.algo.validation_metrics import compute_validation_metrics, val_samples
-        from services.trainer.discovery import resolve
-        from services.transport.rollout.client import rollout_groups
 
         rollout_urls = resolve(self.cfg.rollout_urls)  # dns: entries -> one URL per replica
         if not rollout_urls:
@@ -408,26 +413,17 @@ class Trainer:
         return box[0]
 
     async def _push(self, version: int) -> dict[str, float]:
-        from services.trainer.fsdp import encode_on_device, full_state_dict
-        from services.trainer.step import model_device
-
         on_device = encode_on_device(self.cfg.weight_encode_where, model_device(self.actor), self.world,
                                      self.cfg.weight_transport)
         if self.tcfg.step_mode == "null" and self.tcfg.null_push_mb is not None:  # benchmarks: a set payload
-            from services.transport.weights.synthetic_payload import payload_tensors
-
             weights = dict(payload_tensors(self.tcfg.null_push_mb, float(version)))
             on_device = False  # the payload is made on the host
         else:
             weights = full_state_dict(self.actor, on_device=on_device)  # collective
         if self.rank != 0 or not self.cfg.rollout_targets:
             return {}
-        from services.trainer.push import WeightPusher
 
         if getattr(self, "_pusher", None) is None:
-            from services.common.security import read_secret
-            from services.transport.weights.tls import ChannelSecurity
-
             token = read_secret(self.cfg.weight_token_file, self.cfg.weight_token_env, "weight_token")
             if not token:
                 raise ConfigError(
@@ -445,8 +441,6 @@ class Trainer:
 
     async def _checkpoint(self, step: int) -> None:
         """Save ``step``, then acknowledge the groups the steps since the last save used."""
-        from services.trainer.checkpoint import save_checkpoint
-
         extra = (
             {"feeder": self.feeder.state_dict(), "reader": self.reader.state_dict()} if self.rank == 0 else {}
         )
@@ -468,9 +462,6 @@ class Trainer:
 
     def _train(self, rollouts: list[Rollout], step: int) -> dict[str, float]:
         """The FSDP step on one batch (collective: every rank); returns its metrics."""
-        from services.trainer.ppo import CriticSettings, ppo_train_step
-        from services.trainer.step import DPInfo, StepSettings, train_step
-
         samples, batch_metrics = build_samples(
             rollouts,
             norm_by_std=self.tcfg.norm_adv_by_std,
@@ -553,8 +544,6 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
 
     async def _train_loop(self) -> int:
-        from tqdm import tqdm
-
         if self.rank == 0:
             await self._setup_streams()
             trackers = open_trackers(self.cfg.tracking, self.cfg.model_dump(mode="json"))

@@ -24,6 +24,7 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.common.metrics import MetricsRegistry
+from services.common.queue import CONNECTION_ERROR_HOOKS
 
 DROP_REASONS = ("stale", "duplicate", "filtered", "malformed", "dead_lettered")
 MISMATCH_KEYS = ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3_kl", "mismatch/tis_capped_frac",
@@ -66,7 +67,6 @@ class TrainerExporter:
             "jobs_reissued_total", "Prompt jobs found in no Redis stream (lost with Redis) and pushed again")
         self.redis_errors = r.counter(
             "redis_connection_errors_total", "Redis commands that failed on the connection and were retried")
-        from services.common.queue import CONNECTION_ERROR_HOOKS
 
         CONNECTION_ERROR_HOOKS.append(self.redis_errors.inc)
         self.resumed_from = r.gauge("resumed_from_step",

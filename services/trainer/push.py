@@ -38,7 +38,7 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -46,12 +46,17 @@ from services.common.logging import get_logger
 from services.common.retry import RetryPolicy, retry_call, transient_reason
 from services.trainer.discovery import DiscoveryError, resolve
 from services.trainer.observability import note_push_failure, retries_counter
-
-if TYPE_CHECKING:
-    from services.transport.weights.bucketing import PushKind
-    from services.transport.weights.client import PushReport
-    from services.transport.weights.delta import DeltaEncoder, EncodedDelta
-    from services.transport.weights.tls import ChannelSecurity
+from services.transport.weights.bucketing import DTYPES, PushKind
+from services.transport.weights.client import (
+    PushReport,
+    WeightPushError,
+    get_replica_state,
+    is_stale_base,
+    push_state_dict_async,
+    push_state_dict_shm_async,
+)
+from services.transport.weights.delta import DeltaEncoder, EncodedDelta
+from services.transport.weights.tls import ChannelSecurity
 
 log = get_logger("trainer.push")
 
@@ -114,8 +119,6 @@ class WeightPusher:
 
     async def push(self, weights: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Push ``weights`` (trainer names; an ``lm.`` prefix is dropped) to every resolved replica."""
-        from services.transport.weights.client import WeightPushError
-
         start = time.perf_counter()
         named = [(k.removeprefix("lm."), v) for k, v in weights.items()]
         total: dict[str, float] = {}  # the metrics of every attempt of this push
@@ -168,8 +171,6 @@ class WeightPusher:
 
     async def _serving_dtypes(self, targets: list[str], timeout_s: float | None) -> dict[str, BaseException]:
         """Ask the targets not seen yet for their serving dtype; returns those that did not answer."""
-        from services.transport.weights.client import get_replica_state
-
         unknown = [t for t in targets if t not in self._dtypes]
         wait = min(10.0, timeout_s) if timeout_s is not None else 10.0
         states = await asyncio.gather(*(get_replica_state(t, wait, self.security) for t in unknown),
@@ -181,8 +182,6 @@ class WeightPusher:
         return failed
 
     def _dtype(self, targets: list[str], master: torch.dtype) -> torch.dtype:
-        from services.transport.weights.bucketing import DTYPES
-
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         reported = [self._dtypes[t] for t in targets if self._dtypes.get(t) in DTYPES]
@@ -193,9 +192,6 @@ class WeightPusher:
                          ) -> tuple[dict[str, float], dict[str, str], dict[str, BaseException]]:
         """One attempt: the metrics and, by target, what failed (those targets did not take it) and
         the exception it failed with."""
-        from services.transport.weights.bucketing import PushKind
-        from services.transport.weights.delta import DeltaEncoder
-
         start = time.perf_counter()
         unanswered = await self._serving_dtypes(targets, timeout_s)
         targets = [t for t in targets if t not in unanswered]
@@ -255,9 +251,6 @@ class WeightPusher:
                       out: _Outcome, timeout_s: float | None) -> list[str]:
         """The delta to each target on its own (one stale replica must not cancel the others);
         returns the targets that refused it as stale (they get a full push); failures go to ``out``."""
-        from services.transport.weights.bucketing import PushKind
-        from services.transport.weights.client import WeightPushError, is_stale_base, push_state_dict_async
-
         assert self.encoder is not None
         kind = PushKind(delta=True, base_version=delta.base_version, lineage=self.encoder.lineage)
         reports = await asyncio.gather(*(
@@ -287,8 +280,6 @@ class WeightPusher:
         """One fan-out full push: the encoder's weights to replicas of its dtype, a cast of the master
         weights (no lineage) to any other. Targets that fail go to ``out.errors``; those that answered
         "ok" before a failure cancelled the rest took the version."""
-        from services.transport.weights.client import WeightPushError, push_state_dict_async
-
         assert self.encoder is not None
         name = str(dtype).removeprefix("torch.")
         groups: dict[str, list[str]] = {}
@@ -343,8 +334,6 @@ _FINAL_GRPC = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "INVALID_ARGUME
 
 def _push_reason(exc: BaseException) -> str | None:
     """Retry reason of a failed push attempt (``retry_call``'s ``classify``); None: final."""
-    from services.transport.weights.client import WeightPushError
-
     if isinstance(exc, DiscoveryError):
         return "discovery"
     if isinstance(exc, WeightPushError):
@@ -401,8 +390,6 @@ async def _push_shm(
     security: ChannelSecurity | None = None,
 ) -> tuple[float, float]:
     """Every replica through its shared memory, concurrently; (seconds, GB/s of one replica's bytes)."""
-    from services.transport.weights.client import WeightPushError, push_state_dict_shm_async
-
     start = time.perf_counter()
     outcomes = await asyncio.gather(
         *(push_state_dict_shm_async(named, t, version, token, security=security) for t in targets),

@@ -18,6 +18,7 @@ from services.common.queue import RedisAuth
 from services.common.schemas import RolloutSampling
 from services.common.security import ClientSecurity, TLSClientFiles
 from services.trainer.config import TrainerConfig
+from services.trainer.discovery import check_entry
 from services.trainer.trackers import TrackingConfig
 
 
@@ -102,8 +103,6 @@ class RunConfig(StrictModel):
     @field_validator("rollout_targets", "rollout_urls")
     @classmethod
     def _entries(cls, entries: list[str], info: ValidationInfo) -> list[str]:
-        from services.trainer.discovery import check_entry
-
         return [check_entry(e, url=info.field_name == "rollout_urls") for e in entries]
 
     @model_validator(mode="after")

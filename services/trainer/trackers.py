@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -31,8 +32,6 @@ class TrackingConfig(StrictModel):
     @classmethod
     def _installed(cls, backends: list[TrackerName]) -> list[TrackerName]:
         """A requested tracker must be importable: caught by ``--dry-run``, before any model loads."""
-        import importlib.util
-
         for name in backends:
             if importlib.util.find_spec(name) is None:
                 raise MissingTracker(name, name)
@@ -48,6 +47,7 @@ class Tracker(Protocol):
 class TensorBoardTracker:
     def __init__(self, cfg: TrackingConfig) -> None:
         try:
+            # lazy: TensorBoard is optional (tracking.backends); loaded only when chosen
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise MissingTracker("tensorboard", "tensorboard") from exc
@@ -66,6 +66,7 @@ class TensorBoardTracker:
 class WandbTracker:
     def __init__(self, cfg: TrackingConfig, config: dict[str, Any]) -> None:
         try:
+            # lazy: wandb is an optional package, loaded only when tracking.backends names it
             import wandb
         except ImportError as exc:
             raise MissingTracker("wandb", "wandb") from exc
@@ -81,6 +82,7 @@ class WandbTracker:
         ``run.finish()`` only informs that process; the data is complete once it shuts down, which
         wandb otherwise waits for in an atexit hook that a multi-process trainer skips (``os._exit``).
         """
+        # lazy: wandb is optional (see WandbTracker)
         import wandb
 
         self.run.finish()

@@ -69,6 +69,7 @@ def _torch_varlen() -> Callable[..., torch.Tensor] | None:
 
     torch 2.10 takes ``is_causal=True``; 2.11+ takes ``window_size=(-1, 0)`` instead."""
     try:
+        # lazy: missing before torch 2.10: probed at call time (and the test swaps it)
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
@@ -97,6 +98,7 @@ def _torch_varlen() -> Callable[..., torch.Tensor] | None:
 @cache
 def _flash_attn() -> Callable[..., torch.Tensor] | None:
     try:
+        # lazy: flash-attn is an optional GPU-only package
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         return None
@@ -172,6 +174,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 def register() -> str:
+    # lazy: transformers adds ~5 s of import; registering happens only when a model is built
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, varlen_attention_forward)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.demo.pipeline import QUICK
+from tests.helpers.demo_run import run_demo
 from tests.helpers.hide_binary import path_without
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(660),
@@ -30,15 +28,7 @@ def test_quick_demo_learns_to_use_the_tool(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     shm_before = {str(p) for p in Path("/dev/shm").glob("retool-weights-*")}
     env = {**os.environ, "PATH": path_without("redis-server", tmp_path / "bin")}
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "demo", "--quick", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the demo stops its services on SIGTERM
-        stdout, stderr = proc.communicate(timeout=60)
-        pytest.fail(f"demo --quick exceeded 600 s:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    stdout, stderr = run_demo("--quick", "--out", str(out), timeout_s=600, env=env)
     # the log says which Redis it started and why
     assert "queue = private embedded (Valkey 9.1." in stderr and "no redis-server on PATH" in stderr, stderr
 

@@ -19,10 +19,6 @@ test 977 s at load average 8-10 (its first run 705 s, with the same figures as a
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +26,7 @@ import pytest
 
 from services.demo.pipeline import RECOVERY_QUICK
 from services.trainer.fault_mask import FAULT_MULTITURN_MASK
+from tests.helpers.demo_run import run_demo
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1900),
               pytest.mark.slow(reason="two recovery demo runs (correct and misaligned mask), each "
@@ -44,17 +41,7 @@ CURVES = {"accuracy", "tool_use_rate", "mean_turns", "recovery_rate", "first_cal
 
 
 def _demo(out: Path, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "services.cli", "demo", "--task", "recovery", "--quick", "--out", str(out),
-           *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    try:
-        stdout, stderr = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the demo stops its services on SIGTERM
-        stdout, stderr = proc.communicate(timeout=60)
-        pytest.fail(f"demo --task recovery --quick exceeded 900 s:\n{stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    stdout, _ = run_demo("--task", "recovery", "--quick", "--out", str(out), *extra, timeout_s=900, env=env)
     report = json.loads((out / "report.json").read_text())
     assert json.loads(stdout)["after"] == report["after"]  # the console summary is the report
     return report

@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ from tests.helpers.datasets import dapo_row, write_aime_2025, write_dapo
 from tests.helpers.ledger_witness import check_ledger_against_redis
 from tests.helpers.redis_server import RedisServer
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.torchrun import torchrun_cmd, torchrun_env
 
 pytestmark = pytest.mark.e2e
 reward_url = agent_fixtures.reward_url
@@ -123,22 +123,11 @@ def _config(stack, max_steps: int, save_freq: int) -> Path:
 
 
 def _trainer(config: Path, log: Path, **extra_env: str) -> asyncio.subprocess.Process:
-    env = {**os.environ, "RETOOL_WEIGHT_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", **extra_env}
     return asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "services.cli",
-        "trainer",
-        "run",
-        "--config",
-        str(config),
+        *torchrun_cmd("trainer", "run", "--config", str(config)),
         stdout=log.open("ab"),
         stderr=asyncio.subprocess.STDOUT,
-        env=env,
+        env=torchrun_env(RETOOL_WEIGHT_TOKEN=TOKEN, **extra_env),
         start_new_session=True,
     )
 

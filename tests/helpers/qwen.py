@@ -16,7 +16,7 @@ _BUILT: dict[str, Path] = {}
 
 
 def qwen_model_dir(tmp_path_factory: Any) -> Path:
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     if "base" not in _BUILT:
         _BUILT["base"] = init_model_dir(tmp_path_factory.mktemp("qwen25-mini"), "mini", tokenizer="qwen2.5")

@@ -28,7 +28,7 @@ def scripted_model_dir(out: Path, code: str, base_seed: int = 0, scale: float = 
     (``qwen2.5`` with ``mini``: the real vocabulary)."""
     from transformers import AutoTokenizer
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     if (out / "config.json").is_file():
         return out
@@ -52,7 +52,7 @@ def branching_model_dir(out: Path, prefix: str, choices: list[str], suffix: str,
     """
     from transformers import AutoTokenizer
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     if (out / "config.json").is_file():
         return out

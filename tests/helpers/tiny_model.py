@@ -12,7 +12,7 @@ _BUILT: dict[tuple[str, int], Path] = {}
 
 
 def tiny_model_dir(tmp_path_factory: Any, size: str = "tiny", seed: int = 0) -> Path:
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     key = (size, seed)
     if key not in _BUILT:

@@ -32,6 +32,7 @@ from services.rollout.engine.base import SamplingParams
 from services.trainer.batch import Rollout, build_samples
 from services.trainer.sft.render import render
 from tests.helpers.engines import checkpoint_tensors, load_reference, make_engine, teacher_forced_logprobs
+from tests.helpers.masks import spans
 from tests.helpers.qwen import qwen_scripted_dir
 
 # vLLM with a 151,665-token tokenizer starts slowly on busy CPUs (its renderer deep-copies the tokenizer)
@@ -91,17 +92,6 @@ class Outputs:
         return ToolResult("42 — 四十二 😀\n", False, 0.001)
 
 
-def _spans(mask: list[int]) -> list[tuple[int, int]]:
-    out, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m == 1 and start is None:
-            start = i
-        elif m == 0 and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 @pytest.mark.parametrize("variant", list(TURNS))
 async def test_stop_inside_a_merged_token_keeps_the_sampled_ids_and_the_next_turn_continues_from_them(
         engine, models, variant):
@@ -120,7 +110,7 @@ async def test_stop_inside_a_merged_token_keeps_the_sampled_ids_and_the_next_tur
     assert traj.finish_reason == "max_turns" and traj.tool_calls == 2 and traj.tool_errors == 0
     # kept = sampled: every turn is the engine's tokens through the one completing "</code>"
     assert rec.sampled == [turn_ids, turn_ids, turn_ids]
-    assert [traj.response_ids[a:b] for a, b in _spans(traj.loss_mask)] == rec.sampled
+    assert [traj.response_ids[a:b] for a, b in spans(traj.loss_mask)] == rec.sampled
     assert traj.response_ids == turn_ids + result + turn_ids + result + turn_ids
     # each turn generated from exactly the ids so far
     assert rec.prompts == [prompt, prompt + turn_ids + result, prompt + 2 * (turn_ids + result)]

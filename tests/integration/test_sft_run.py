@@ -5,10 +5,8 @@ in-memory weights and match the 2-process run (the loss is a global-batch token 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +14,10 @@ import pytest
 import torch
 import yaml
 
-from services.common.process import free_port
 from services.data.retool_sft import prepare_retool_sft
 from tests.helpers.datasets import retool_sft_row, write_retool_sft
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.torchrun import torchrun_cmd, torchrun_env
 
 TRACE = ("Let me compute {a} + {b}.\n<code>\n```python\nprint({a} + {b})\n```\n</code>\n<interpreter>\n{c}\n"
          "</interpreter>\nThe sum is {c}.\n<answer>\\boxed{{{c}}}</answer>")
@@ -49,11 +47,10 @@ def _config(inputs: dict[str, Path], out: Path) -> dict[str, Any]:
 
 
 def _torchrun(config: Path, log: Path) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={free_port()}", "-m", "services.cli", "sft", "run", "--config", str(config)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = torchrun_cmd("sft", "run", "--config", str(config))
     with log.open("ab") as fh:
-        return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, timeout=240).returncode
+        return subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=torchrun_env(),
+                              timeout=240).returncode
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import torch
 from services.common.metrics import MetricsRegistry
 from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
-from services.rollout.engine.base import SamplingParams, collect
+from services.rollout.engine.base import SamplingParams
 from services.rollout.engine.hf import HFEngine
 from services.rollout.weights.server import start_weight_server
 from services.transport.weights.auth import TOKEN_METADATA_KEY
@@ -33,10 +33,10 @@ from services.transport.weights.client import (
     push_state_dict_async,
 )
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.weight_replica import greedy, greedy_of, hf_replica, same, snapshot
 
 pytestmark = pytest.mark.integration
 TOKEN = "push-token-5d1e"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -46,41 +46,19 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture
 async def replica(dirs) -> AsyncIterator[tuple[HFEngine, str, MetricsRegistry]]:
-    engine = HFEngine(dirs[0])
     registry = MetricsRegistry("test")
-    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN, registry=registry)
-    try:
-        yield engine, f"127.0.0.1:{server.port}", registry
-    finally:
-        await server.stop(None)
-        await engine.shutdown()
-
-
-def _snapshot(engine: HFEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-async def _greedy(engine: HFEngine) -> list[int]:
-    prompt = engine.tokenizer.encode("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
-    return (await collect(engine, prompt, GREEDY, "g"))[0].token_ids
+    async with hf_replica(dirs[0], TOKEN, registry) as (engine, target):
+        yield engine, target, registry
 
 
 async def test_push_changes_greedy_output_and_bumps_version(replica, dirs):
     engine, target, registry = replica
-    before = await _greedy(engine)
-    reference = HFEngine(dirs[1])
-    try:
-        expected = await _greedy(reference)
-    finally:
-        await reference.shutdown()
+    before = await greedy(engine)
+    expected = await greedy_of(dirs[1])
     assert expected != before  # the two seeds really differ
     report = await push_checkpoint_async(dirs[1], [target], TOKEN, version=None, bucket_bytes=64 << 10)
     assert report.version == 1 and engine.version == 1 and await get_version(target) == 1
-    assert await _greedy(engine) == expected
+    assert await greedy(engine) == expected
     assert report.bytes == sum(t.numel() * t.element_size() for _, t in iter_checkpoint(dirs[1]))
     assert report.replies[target]["version"] == 1
     text = registry.render().decode()
@@ -90,7 +68,7 @@ async def test_push_changes_greedy_output_and_bumps_version(replica, dirs):
 @pytest.mark.parametrize("token", ["wrong-token", None])
 async def test_missing_or_wrong_token_is_rejected_and_changes_nothing(replica, dirs, token):
     engine, target, registry = replica
-    before = _snapshot(engine)
+    before = snapshot(engine)
     chunks = list(iter_chunks(iter_checkpoint(dirs[1]), version=5))
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.WeightServiceStub(channel)
@@ -101,13 +79,13 @@ async def test_missing_or_wrong_token_is_rejected_and_changes_nothing(replica, d
     assert TOKEN not in (err.value.details() or "")
     with pytest.raises(WeightPushError, match="UNAUTHENTICATED"):
         await push_checkpoint_async(dirs[1], [target], "nope", version=5)
-    assert engine.version == 0 and _same(before, _snapshot(engine))
+    assert engine.version == 0 and same(before, snapshot(engine))
     assert 'test_weight_pushes_total{outcome="unauthenticated"} 2.0' in registry.render().decode()
 
 
 async def test_interrupted_push_changes_nothing_then_a_full_push_works(replica, dirs):
     engine, target, _ = replica
-    before = _snapshot(engine)
+    before = snapshot(engine)
     chunks = list(iter_chunks(iter_checkpoint(dirs[1]), version=3, bucket_bytes=16 << 10))
     assert len(chunks) > 10
     sent = asyncio.Event()
@@ -131,10 +109,10 @@ async def test_interrupted_push_changes_nothing_then_a_full_push_works(replica, 
                 iter(chunks[:-1]), metadata=((TOKEN_METADATA_KEY, TOKEN),))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "incomplete" in err.value.details()
     await asyncio.sleep(0.2)
-    assert engine.version == 0 and _same(before, _snapshot(engine))
+    assert engine.version == 0 and same(before, snapshot(engine))
     report = await push_state_dict_async(iter_checkpoint(dirs[1]), [target], 3, TOKEN)
     assert report.version == 3 and engine.version == 3
-    assert not _same(before, _snapshot(engine))
+    assert not same(before, snapshot(engine))
 
 
 def _ptrs(engine: HFEngine) -> dict[str, int]:
@@ -169,11 +147,7 @@ async def test_adopted_buffers_are_never_staged_into_after_repeated_pushes(repli
     exactly those of the last complete push."""
     engine, target, _ = replica
     a, b = dict(iter_checkpoint(dirs[0])), dict(iter_checkpoint(dirs[1]))
-    reference = HFEngine(dirs[1])
-    try:
-        expected_b = await _greedy(reference)
-    finally:
-        await reference.shutdown()
+    expected_b = await greedy_of(dirs[1])
     initial = _ptrs(engine)
     ptrs = []
     for version, state in ((1, b), (2, a), (3, b)):
@@ -185,10 +159,10 @@ async def test_adopted_buffers_are_never_staged_into_after_repeated_pushes(repli
     assert all(ptrs[0][n] != initial[n] for n in initial)
     # ... and the pool alternates between two sets of buffers
     assert all(ptrs[1][n] != ptrs[0][n] for n in initial) and ptrs[2] == ptrs[0]
-    before = _snapshot(engine)
+    before = snapshot(engine)
     await _interrupt_before_last(target, a, version=9)  # stages a (!= b) into the pool buffers
-    assert engine.version == 3 and _same(before, _snapshot(engine)) and _ptrs(engine) == ptrs[2]
-    assert await _greedy(engine) == expected_b
+    assert engine.version == 3 and same(before, snapshot(engine)) and _ptrs(engine) == ptrs[2]
+    assert await greedy(engine) == expected_b
     # the next complete push works and is adopted from the other buffer set
     await push_state_dict_async(a.items(), [target], 10, TOKEN, bucket_bytes=16 << 10)
     assert engine.version == 10 and _ptrs(engine) == ptrs[1]
@@ -265,9 +239,9 @@ async def test_push_cancelled_while_loading_is_loaded_and_hands_its_buffers_over
         live = engine.model.state_dict()
         assert engine.version == 2 and all(torch.equal(live[k], a[k]) for k in a)  # loaded whole
         assert 'test_weight_pushes_total{outcome="ok"} 2.0' in registry.render().decode()  # it counts
-        before, ptrs = _snapshot(engine), _ptrs(engine)
+        before, ptrs = snapshot(engine), _ptrs(engine)
         await _interrupt_before_last(target, b, version=3)
-        assert engine.version == 2 and _same(before, _snapshot(engine)) and _ptrs(engine) == ptrs
+        assert engine.version == 2 and same(before, snapshot(engine)) and _ptrs(engine) == ptrs
         assert 'test_weight_pushes_total{outcome="ok"} 2.0' in registry.render().decode()  # not applied
     finally:
         await server.stop(None)
@@ -276,7 +250,7 @@ async def test_push_cancelled_while_loading_is_loaded_and_hands_its_buffers_over
 
 async def test_partial_or_mismatched_push_is_refused(replica):
     engine, target, _ = replica
-    before = _snapshot(engine)
+    before = snapshot(engine)
     params = dict(engine.model.named_parameters())
     partial = [(n, p.detach() + 1) for n, p in list(params.items())[:3]]
     with pytest.raises(WeightPushError, match="missing"):
@@ -288,7 +262,7 @@ async def test_partial_or_mismatched_push_is_refused(replica):
     extra = [*((n, p.detach()) for n, p in params.items()), ("model.not_a_weight", torch.zeros(2))]
     with pytest.raises(WeightPushError, match="not_a_weight"):
         await push_state_dict_async(extra, [target], 2, TOKEN)
-    assert engine.version == 0 and _same(before, _snapshot(engine))
+    assert engine.version == 0 and same(before, snapshot(engine))
 
 
 async def test_push_to_two_replicas_and_generation_continues_across_the_swap(dirs):

@@ -27,6 +27,7 @@ from services.transport.weights.client import (
     push_state_dict_async,
 )
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.weight_replica import train_once
 
 pytestmark = pytest.mark.integration
 TOKEN = "delta-token-7c2f"
@@ -125,11 +126,7 @@ async def test_chain_of_deltas_with_a_missed_push_and_a_restart_stays_bit_identi
     kinds: list[tuple[float, float, float]] = []
     try:
         for version in range(1, 23):
-            ids = torch.randint(0, model.config.vocab_size, (2, 16))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            master = {n: p.detach() for n, p in model.named_parameters()}
+            master = train_once(model, opt)
             if version == 8:  # replica c is out of the target set (e.g. DNS dropped it): misses v8
                 pusher.entries = [a.target, b.target, load_only.target]
             elif version == 9:

@@ -34,6 +34,7 @@ from services.trainer.push import WeightPusher
 from services.transport.weights.client import get_replica_state, push_state_dict_async
 from tests.helpers.engines import VLLM_TEST_KWARGS
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.weight_replica import train_once
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 TOKEN = "vllm-delta-token-41aa"
@@ -135,11 +136,7 @@ async def test_chain_of_deltas_into_vllm_serves_exactly_the_full_push(replicas, 
     compared: list[int] = []
     try:
         for version in range(1, 22):
-            ids = torch.randint(0, model.config.vocab_size, (2, 16))
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            master = {n: p.detach() for n, p in model.named_parameters()}
+            master = train_once(model, opt)
             pusher.entries = [hf.target] if version == 6 else everyone  # v6: vLLM misses it
             m = await pusher.push(master, version)
             kinds[version] = (m["weights/push_delta_targets"], m["weights/push_full_targets"],

@@ -17,7 +17,6 @@ import torch
 
 from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
-from services.rollout.engine.base import SamplingParams, collect
 from services.rollout.engine.hf import HFEngine
 from services.rollout.weights.server import start_weight_server
 from services.transport.weights.auth import TOKEN_METADATA_KEY
@@ -31,10 +30,10 @@ from services.transport.weights.client import (
 )
 from services.transport.weights.shm import PREFIX, ShmMapping
 from tests.helpers.tiny_model import tiny_model_dir
+from tests.helpers.weight_replica import greedy, greedy_of, hf_replica, same, snapshot
 
 pytestmark = pytest.mark.integration
 TOKEN = "shm-token-7c2a"
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 AUTH = ((TOKEN_METADATA_KEY, TOKEN),)
 
 
@@ -50,33 +49,14 @@ def states(dirs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 
 @pytest.fixture
 async def replica(dirs) -> AsyncIterator[tuple[HFEngine, str]]:
-    engine = HFEngine(dirs[0])
-    server = await start_weight_server(engine, "127.0.0.1", 0, TOKEN)
-    try:
-        yield engine, f"127.0.0.1:{server.port}"
-    finally:
-        close_shm_mappings()
-        await server.stop(None)
-        await engine.shutdown()
-
-
-def _snapshot(engine: HFEngine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    async with hf_replica(dirs[0], TOKEN) as replica:
+        yield replica
 
 
 def _serves(engine: HFEngine, state: dict[str, torch.Tensor]) -> bool:
     """Every weight of ``state`` (a checkpoint: tied aliases dropped) equals the engine's, exactly."""
     served = engine.model.state_dict()
     return all(torch.equal(served[k], v) for k, v in state.items())
-
-
-async def _greedy(engine: HFEngine) -> list[int]:
-    prompt = engine.tokenizer.encode("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
-    return (await collect(engine, prompt, GREEDY, "g"))[0].token_ids
 
 
 async def _register(target: str, metadata=AUTH) -> pb.ShmLayout:
@@ -104,17 +84,13 @@ def _segment_of(engine: HFEngine, layout: pb.ShmLayout) -> set[int]:
 
 async def test_shm_push_changes_greedy_output_and_bumps_version(replica, dirs, states):
     engine, target = replica
-    before = await _greedy(engine)
-    reference = HFEngine(dirs[1])
-    try:
-        expected = await _greedy(reference)
-    finally:
-        await reference.shutdown()
+    before = await greedy(engine)
+    expected = await greedy_of(dirs[1])
     assert expected != before  # the two seeds really differ
     report = await push_state_dict_shm_async(states[1].items(), target, version=1, token=TOKEN)
     assert report.version == 1 and engine.version == 1 and await get_version(target) == 1
     assert report.replies[target]["version"] == 1
-    assert await _greedy(engine) == expected
+    assert await greedy(engine) == expected
     assert _serves(engine, states[1])
     # tied weights are stored once: the layout holds fewer bytes than the engine's state dict names
     assert report.bytes == sum(t.numel() * t.element_size() for t in states[1].values())
@@ -153,7 +129,7 @@ async def test_consecutive_pushes_alternate_segments_and_serve_the_last_exactly(
 @pytest.mark.parametrize("token", ["wrong-token", None])
 async def test_wrong_or_missing_token_is_rejected_and_changes_nothing(replica, states, token):
     engine, target = replica
-    before = _snapshot(engine)
+    before = snapshot(engine)
     metadata = ((TOKEN_METADATA_KEY, token),) if token else ()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await _register(target, metadata)
@@ -167,7 +143,7 @@ async def test_wrong_or_missing_token_is_rejected_and_changes_nothing(replica, s
     assert TOKEN not in (err.value.details() or "")
     with pytest.raises(WeightPushError, match="UNAUTHENTICATED"):
         await push_state_dict_shm_async(states[1].items(), target, version=9, token="nope")
-    assert engine.version == 0 and _same(before, _snapshot(engine))
+    assert engine.version == 0 and same(before, snapshot(engine))
 
 
 async def test_commit_of_the_non_free_segment_or_a_stale_generation_is_rejected(replica, states):
@@ -175,7 +151,7 @@ async def test_commit_of_the_non_free_segment_or_a_stale_generation_is_rejected(
     await push_state_dict_shm_async(states[1].items(), target, version=1, token=TOKEN)
     layout = await _register(target)
     assert layout.free_segment == 1
-    served = _snapshot(engine)
+    served = snapshot(engine)
     mapping = ShmMapping(layout)
     try:
         mapping.write(1, states[0].items())
@@ -188,7 +164,7 @@ async def test_commit_of_the_non_free_segment_or_a_stale_generation_is_rejected(
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await _commit(target, commit)
             assert err.value.code() == code, commit
-        assert engine.version == 1 and _same(served, _snapshot(engine))
+        assert engine.version == 1 and same(served, snapshot(engine))
         # another push in between makes the generation of the earlier registration stale
         await push_state_dict_async(states[1].items(), [target], version=5, token=TOKEN)
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -203,7 +179,7 @@ async def test_commit_of_the_non_free_segment_or_a_stale_generation_is_rejected(
 async def test_a_write_that_is_never_committed_changes_nothing(replica, states):
     engine, target = replica
     await push_state_dict_shm_async(states[1].items(), target, version=1, token=TOKEN)
-    served = _snapshot(engine)
+    served = snapshot(engine)
     layout = await _register(target)
     mapping = ShmMapping(layout)
     try:  # a trainer that dies halfway through its write: garbage in the free segment, no commit
@@ -212,13 +188,13 @@ async def test_a_write_that_is_never_committed_changes_nothing(replica, states):
                 view.fill_(7.0)
     finally:
         mapping.close()
-    assert engine.version == 1 and _same(served, _snapshot(engine))
+    assert engine.version == 1 and same(served, snapshot(engine))
     assert await get_version(target) == 1
     # an incomplete state dict is refused on the client, before any commit
     partial = list(states[0].items())[:-1]
     with pytest.raises(WeightPushError, match="missing"):
         await push_state_dict_shm_async(partial, target, version=2, token=TOKEN)
-    assert engine.version == 1 and _same(served, _snapshot(engine))
+    assert engine.version == 1 and same(served, snapshot(engine))
     # the next complete push overwrites the garbage and is served exactly
     await push_state_dict_shm_async(states[0].items(), target, version=2, token=TOKEN)
     assert engine.version == 2 and _serves(engine, states[0])
@@ -245,7 +221,7 @@ async def test_segments_are_unlinked_when_the_server_stops(dirs, states):
     try:
         assert not any(os.path.exists(p) for p in layout.paths)
         assert _serves(engine, states[1])  # the served weights outlive the unlinked files
-        assert await _greedy(engine)
+        assert await greedy(engine)
     finally:
         await engine.shutdown()
 

@@ -19,6 +19,7 @@ from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig
 from services.transport.sandbox.client import SandboxClient, SandboxUnavailable
 from tests.helpers.agent_fixtures import ScriptedEngine, extra_token_id, make_tokenizer
+from tests.helpers.masks import spans
 
 TOK = make_tokenizer()
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
@@ -34,22 +35,11 @@ class RecordingTools:
         return self.outputs.pop(0) if self.outputs else ToolResult(f"ran {len(self.codes)}", False, 0.001)
 
 
-def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
-    out, start = [], None
-    for i, m in enumerate([*mask, 1 - value]):
-        if m == value and start is None:
-            start = i
-        elif m != value and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def check_invariants(traj: Trajectory, interp_texts: list[str]) -> None:
     n = len(traj.response_ids)
     assert n == len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions)
     # masked tokens are exactly the interpreter blocks, tokenized on their own
-    masked = [traj.response_ids[a:b] for a, b in _spans(traj.loss_mask, 0)]
+    masked = [traj.response_ids[a:b] for a, b in spans(traj.loss_mask, 0)]
     assert [TOK.decode(ids) for ids in masked] == interp_texts
     for i in range(n):
         if traj.loss_mask[i] == 0:
@@ -113,7 +103,7 @@ async def test_hermes_malformed_json_becomes_tool_response_error() -> None:
     traj = await loop.run_one(loop.build_prompt(MESSAGES))
     assert tools.codes == ["print(1)"]  # the malformed call never reached the sandbox
     assert (traj.tool_calls, traj.tool_errors, traj.finish_reason) == (2, 1, "eos")
-    masked = [TOK.decode(traj.response_ids[a:b]) for a, b in _spans(traj.loss_mask, 0)]
+    masked = [TOK.decode(traj.response_ids[a:b]) for a, b in spans(traj.loss_mask, 0)]
     assert masked[0].startswith("\n<tool_response>\nFailed to decode tool call: Invalid \\escape")
     assert masked[1] == "\n<tool_response>\nran 1\n</tool_response>\n"
     check_invariants(traj, masked)
@@ -154,7 +144,7 @@ async def test_long_tool_output_is_truncated_in_the_middle() -> None:
     tools = RecordingTools([ToolResult(long, False)])
     loop, _, _ = _loop(["<code>print(1)</code>", "ok"], tools=tools, max_tool_output_chars=300)
     traj = await loop.run_one(loop.build_prompt(MESSAGES))
-    block = TOK.decode(traj.response_ids[slice(*_spans(traj.loss_mask, 0)[0])])
+    block = TOK.decode(traj.response_ids[slice(*spans(traj.loss_mask, 0)[0])])
     inner = block.removeprefix("\n<interpreter>\n").removesuffix("\n</interpreter>\n")
     assert len(inner) <= 300 and inner.startswith("BEGIN") and inner.endswith("END")
 

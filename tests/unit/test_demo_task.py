@@ -39,7 +39,7 @@ def test_traces_are_balanced(tmp_path) -> None:
 
 
 def test_code_trace_renders_as_the_agent_layout() -> None:
-    from services.rollout.model_init import build_tokenizer
+    from services.models.tiny import build_tokenizer
 
     tok = build_tokenizer(512, individual_digits=True)
     agent = AgentConfig()

@@ -142,7 +142,7 @@ def test_weight_spec_rejects_bad_pushes_naming_the_tensor(push, message):
 def test_weight_spec_from_a_model_dir_matches_the_module(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     model_dir = init_model_dir(tmp_path / "m", "tiny", seed=0)
     from_dir = WeightSpec.from_model_dir(model_dir)

@@ -7,7 +7,9 @@ Layers, bottom up (a package may import its own layer's shared packages and anyt
    import only layer 1, except that ``chat`` may import ``transport`` (a tool result is rendered
    from the sandbox's typed answer; ``transport`` never imports ``chat``);
 3. the services ``sandbox``, ``reward``, ``rollout``, ``trainer``: import layers 1-2, never each other;
-4. orchestration (``stack``, ``eval``, ``demo``, ``cli``, ``model_cli``): anything.
+4. orchestration (``stack``, ``eval``, ``demo``, ``cli``, ``model_cli``, ``models``): anything. ``models``
+   (the tiny-model factory) is here because only orchestration, benchmarks and tests build models
+   with it: no service may import it (the rollout and the trainer load the directory they are given).
 Every import counts: top-level, inside functions and under ``TYPE_CHECKING``.
 """
 
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2] / "services"
 BASE = {"common", "proto_gen"}
 SHARED = {"transport", "chat", "data"}
 SERVICES = {"sandbox", "reward", "rollout", "trainer"}
-ORCHESTRATION = {"stack", "eval", "demo", "cli", "model_cli"}
+ORCHESTRATION = {"stack", "eval", "demo", "cli", "model_cli", "models"}
 
 ALLOWED: dict[str, set[str]] = {
     "proto_gen": set(),
@@ -76,6 +78,11 @@ def test_imports_follow_the_layers(path: Path) -> None:
         return
     bad = imported_packages(path, own) - ALLOWED[own] - {own}
     assert not bad, f"services/{path.relative_to(ROOT)} ({own}) imports services.{sorted(bad)}"
+
+
+def test_no_service_imports_the_model_factory() -> None:
+    """``services.models`` is orchestration: a service importing it would fail the layer test above."""
+    assert "models" not in set().union(*ALLOWED.values())
 
 
 def test_the_checker_sees_function_local_and_type_checking_imports(tmp_path: Path) -> None:

@@ -14,13 +14,14 @@ from services.chat.tool_result import ToolResult
 from services.common.config import ConfigError
 from services.data.io import write_rows
 from services.data.retool_sft import to_messages
+from services.models.tiny import build_tokenizer
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.config import AgentConfig
-from services.rollout.model_init import build_tokenizer
 from services.trainer.sft.config import SFTDataConfig
 from services.trainer.sft.data import load_samples
 from services.trainer.sft.render import RenderError, assistant_text, render, tool_result_text
 from tests.helpers.agent_fixtures import ScriptedEngine
+from tests.helpers.masks import spans
 
 TOK = build_tokenizer(2048)
 LONG_OUTPUT = "".join(f"line {i}: {i * i}\n" for i in range(40))
@@ -72,27 +73,16 @@ def test_inline_render_equals_agent_loop_tokens(fmt: str, stop_at_answer: bool) 
     assert len(LONG_OUTPUT) > agent.max_tool_output_chars  # the long output was cut, as the loop does
 
 
-def _spans(mask: list[int], value: int) -> list[tuple[int, int]]:
-    out, start = [], None
-    for i, m in enumerate([*mask, 1 - value]):
-        if m == value and start is None:
-            start = i
-        elif m != value and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def test_inline_mask_covers_exactly_the_assistant_tokens() -> None:
     messages = to_messages("What is the sum of 0..9?", TRACE, "code")
     agent = AgentConfig()
     r = render(messages, TOK, agent, "inline")
     assert len(r.input_ids) == len(r.loss_mask) and r.loss_mask[0] == 0
-    ones = [TOK.decode(r.input_ids[a:b]) for a, b in _spans(r.loss_mask, 1)]
+    ones = [TOK.decode(r.input_ids[a:b]) for a, b in spans(r.loss_mask, 1)]
     assistants = [m["content"] for m in messages if m["role"] == "assistant"]
     assert ones == [*assistants[:-1], assistants[-1] + "<|im_end|>"]
     assert r.input_ids[-1] == TOK.eos_token_id and r.loss_mask[-1] == 1
-    zeros = [TOK.decode(r.input_ids[a:b]) for a, b in _spans(r.loss_mask, 0)]
+    zeros = [TOK.decode(r.input_ids[a:b]) for a, b in spans(r.loss_mask, 0)]
     tools = [m["content"] for m in messages if m["role"] == "tool"]
     assert zeros[0] == TOK.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
     assert zeros[1:] == [tool_result_text(t, agent) for t in tools]
@@ -104,7 +94,7 @@ def test_chat_template_render_masks_assistant_bodies() -> None:
     r = render(messages, TOK, AgentConfig(), "chat_template")
     assert len(r.input_ids) == len(r.loss_mask) and r.loss_mask[0] == 0
     assert TOK.decode(r.input_ids) == TOK.apply_chat_template(messages, tokenize=False)
-    ones = [TOK.decode(r.input_ids[a:b]) for a, b in _spans(r.loss_mask, 1)]
+    ones = [TOK.decode(r.input_ids[a:b]) for a, b in spans(r.loss_mask, 1)]
     assert ones == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
     # tool turns are chat messages here, entirely masked
     zeros = TOK.decode([t for t, m in zip(r.input_ids, r.loss_mask, strict=True) if m == 0])

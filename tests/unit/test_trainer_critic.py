@@ -126,7 +126,7 @@ def test_critic_config_is_validated_with_named_fields():
 
 
 def test_critic_loads_from_a_model_dir_and_its_checkpoint_resumes_exactly(tmp_path):
-    from services.rollout.model_init import init_model_dir
+    from services.models.tiny import init_model_dir
 
     model_dir = init_model_dir(tmp_path / "model", "tiny")
     ids = torch.randint(0, 2048, (30,), generator=torch.Generator().manual_seed(3))

@@ -72,6 +72,7 @@ class HFEngine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", max_batch_size: int = 64,
                  version: int = 0, device: str = "cpu", torch_threads: int | None = None) -> None:
+        # lazy: transformers adds ~5 s of import and only this function needs it
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_dir = str(model_dir)
@@ -287,6 +288,7 @@ class HFEngine:
         return outs
 
     def _prefill(self, group: list[_Seq]) -> torch.Tensor:
+        # lazy: transformers adds ~5 s of import and only this function needs it
         from transformers import DynamicCache
 
         prompt = group[0].prompt_ids
@@ -304,6 +306,7 @@ class HFEngine:
 
     def _recompute_kv(self) -> None:
         """Rebuild the running batch's KV cache with the current weights (after a swap)."""
+        # lazy: transformers adds ~5 s of import and only this function needs it
         from transformers import DynamicCache
 
         seqs, self._active, self._cache, self._mask = list(self._active), [], None, None

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import ConfigError
+from services.rollout.engine.synthetic_config import SyntheticEngineConfig
 
 RESERVED_VLLM_KEYS = ("model", "worker_extension_cls")
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -44,6 +45,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 def import_vllm() -> Any:
     """The ``vllm`` module, or a ``ConfigError`` that says how to install it."""
     try:
+        # lazy: vLLM is an optional extra; a ConfigError says how to install it
         import vllm
     except ImportError as exc:
         raise ConfigError(
@@ -53,6 +55,7 @@ def import_vllm() -> Any:
 
 
 def hf_engine_keys() -> list[str]:
+    # lazy: the hf engine imports torch; the config check runs in the light CLI
     from services.rollout.engine.hf import HFEngine
 
     params = inspect.signature(HFEngine.__init__).parameters
@@ -61,6 +64,7 @@ def hf_engine_keys() -> list[str]:
 
 def vllm_engine_keys() -> list[str]:
     import_vllm()
+    # lazy: vLLM is optional (import_vllm)
     from vllm import AsyncEngineArgs
 
     return [f.name for f in dataclasses.fields(AsyncEngineArgs) if f.name not in RESERVED_VLLM_KEYS]
@@ -69,7 +73,6 @@ def vllm_engine_keys() -> list[str]:
 def check_engine_kwargs(engine: str, kwargs: dict[str, Any]) -> None:
     """``ConfigError`` for keys the chosen engine does not take (all of them named)."""
     if engine == "synthetic":  # a pydantic model of its own: unknown keys and bad values, named
-        from services.rollout.engine.synthetic_config import SyntheticEngineConfig
 
         SyntheticEngineConfig.parse(kwargs)
         return
@@ -89,6 +92,7 @@ def check_engine_kwargs(engine: str, kwargs: dict[str, Any]) -> None:
 
 
 def is_cpu_platform() -> bool:
+    # lazy: vLLM is optional (import_vllm)
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
@@ -97,6 +101,7 @@ def is_cpu_platform() -> bool:
 def build_engine_args(model_dir: str, engine_kwargs: dict[str, Any], *, worker_extension: str) -> Any:
     """``AsyncEngineArgs`` for ``model_dir``: the adapter's defaults, then ``engine_kwargs``."""
     import_vllm()
+    # lazy: vLLM is optional (import_vllm)
     from vllm import AsyncEngineArgs
 
     check_engine_kwargs("vllm", engine_kwargs)

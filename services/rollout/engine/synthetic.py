@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
 from services.rollout.engine.requests import check_prompt, stop_loop, stream_samples
@@ -84,6 +85,7 @@ class SyntheticEngine:
     """See the module docstring."""
 
     def __init__(self, model_dir: str | Path, *, version: int = 0, **engine_kwargs: Any) -> None:
+        # lazy: transformers adds ~5 s of import and only this function needs it
         from transformers import AutoTokenizer
 
         self.cfg = SyntheticEngineConfig.parse(engine_kwargs)
@@ -305,8 +307,6 @@ class SyntheticEngine:
 
 
 def _model_dir_tensors(model_dir: str) -> list[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(str(path)))

@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from services.common.config import ConfigError
 from services.rollout.engine.base import FinishReason, GenerationChunk, SamplingParams
-from services.rollout.engine.options import build_engine_args
+from services.rollout.engine.options import build_engine_args, import_vllm
 from services.rollout.engine.weight_spec import WeightSpec
 
 WORKER_EXTENSION = "services.rollout.engine.vllm_engine.RetoolWorkerExtension"
@@ -57,8 +59,6 @@ class RetoolWorkerExtension:
 
     def retool_reload_weights(self, path: str) -> int:
         """Load a complete checkpoint-format push from a safetensors file, then re-tie the output layer."""
-        from safetensors import safe_open
-
         with safe_open(path, framework="pt", device="cpu") as f:
             names = list(f.keys())
             self.reload_weights(  # type: ignore[attr-defined]  # vLLM Worker.reload_weights
@@ -164,9 +164,9 @@ class VLLMEngine:
     """``Engine`` over vLLM's ``AsyncLLM``; ``engine_kwargs`` go to ``AsyncEngineArgs`` (validated)."""
 
     def __init__(self, model_dir: str | Path, *, version: int = 0, **engine_kwargs: Any) -> None:
+        # lazy: transformers and vLLM (an optional extra) load only when this engine starts
         from transformers import AutoTokenizer, GenerationConfig
 
-        from services.rollout.engine.options import import_vllm
 
         import_vllm()
         from vllm.usage.usage_lib import UsageContext
@@ -241,6 +241,7 @@ class VLLMEngine:
     async def _one(self, prompt_ids: list[int], params: SamplingParams, index: int, rid: str,
                    queue: asyncio.Queue[GenerationChunk | BaseException | None]) -> None:
         """One sample as one vLLM request; puts chunks, then None (or the exception)."""
+        # lazy: vLLM is optional (import_vllm)
         from vllm.inputs import TokensPrompt
 
         vparams = self._vllm_params(params, index)
@@ -272,6 +273,7 @@ class VLLMEngine:
             await self.llm.abort(rid)
 
     def _vllm_params(self, params: SamplingParams, index: int) -> Any:
+        # lazy: vLLM is optional (import_vllm)
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -323,8 +325,6 @@ class VLLMEngine:
 
     def _stage(self, checked: list[tuple[str, torch.Tensor]]) -> str:
         """Write the push (cast to the served dtype) to one safetensors file the workers read."""
-        from safetensors.torch import save_file
-
         tensors = {}
         for name, t in checked:
             t = t.detach()

@@ -82,38 +82,50 @@ def openai_router(
     cfg: RolloutConfig, engine: Engine, tokenizer: Tokenizer, metrics: RolloutMetrics, state: dict[str, Any]
 ) -> APIRouter:
     """``state["in_flight"]`` is the app's count of requests being served (shared with /v1/rollouts)."""
+    routes = _OpenAIRoutes(cfg, engine, tokenizer, metrics, state)
     router = APIRouter()
-    served = cfg.model or "retool"
-    started = int(time.time())
-    renderer = ChatRenderer(tokenizer)
-    requests = metrics.registry.counter(
-        "openai_requests_total", "OpenAI-API chat completions by outcome", ("outcome",)
-    )
-    for outcome in ("ok", "bad_request", "rejected", "error"):
-        requests.labels(outcome)
+    router.add_api_route("/v1/models", routes.models, methods=["GET"], response_model=ModelList,
+                         responses=_DOOR)
+    router.add_api_route("/v1/models/{model:path}", routes.model, methods=["GET"], response_model=ModelCard,
+                         responses={**_DOOR, 404: {"model": ErrorResponse, "description": "no such model"}})
+    router.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None,
+                         responses=CHAT_RESPONSES, openapi_extra=CHAT_BODY)
+    return router
 
-    def card() -> ModelCard:
-        ctx = getattr(engine, "max_context", None)
-        return ModelCard(id=served, created=started, root=cfg.model,
-                         max_model_len=ctx if isinstance(ctx, int) else None, policy_version=engine.version)
 
-    @router.get("/v1/models", response_model=ModelList, responses=_DOOR)
-    async def models() -> JSONResponse:
-        return JSONResponse(ModelList(data=[card()]).model_dump(mode="json"))
+class _OpenAIRoutes:
+    def __init__(self, cfg: RolloutConfig, engine: Engine, tokenizer: Tokenizer, metrics: RolloutMetrics,
+                 state: dict[str, Any]) -> None:
+        self.cfg, self.engine, self.tokenizer = cfg, engine, tokenizer
+        self.metrics, self.state = metrics, state
+        self.served = cfg.model or "retool"
+        self.started = int(time.time())
+        self.renderer = ChatRenderer(tokenizer)
+        self.requests = metrics.registry.counter(
+            "openai_requests_total", "OpenAI-API chat completions by outcome", ("outcome",)
+        )
+        for outcome in ("ok", "bad_request", "rejected", "error"):
+            self.requests.labels(outcome)
 
-    @router.get("/v1/models/{model:path}", response_model=ModelCard, responses={
-        **_DOOR, 404: {"model": ErrorResponse, "description": "no such model"}})
-    async def model(model: str) -> JSONResponse:
-        if model != served:
+    def card(self) -> ModelCard:
+        ctx = getattr(self.engine, "max_context", None)
+        return ModelCard(id=self.served, created=self.started, root=self.cfg.model,
+                         max_model_len=ctx if isinstance(ctx, int) else None,
+                         policy_version=self.engine.version)
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse(ModelList(data=[self.card()]).model_dump(mode="json"))
+
+    async def model(self, model: str) -> JSONResponse:
+        if model != self.served:
             return _no_such_model(model).response()
-        return JSONResponse(card().model_dump(mode="json"))
+        return JSONResponse(self.card().model_dump(mode="json"))
 
-    @router.post("/v1/chat/completions", response_model=None, responses=CHAT_RESPONSES,
-                 openapi_extra=CHAT_BODY)
-    async def chat(request: Request) -> JSONResponse | StreamingResponse:
+    async def chat(self, request: Request) -> JSONResponse | StreamingResponse:
+        cfg, state, metrics, requests = self.cfg, self.state, self.metrics, self.requests
         try:
             req = await _parse(request)
-            plan = _plan(req)
+            plan = self._plan(req)
         except OpenAIError as err:
             requests.labels("bad_request").inc()
             return err.response()
@@ -126,12 +138,12 @@ def openai_router(
                 type_="rate_limit_error", code="rate_limit_exceeded",
             ).response()
         if req.stream:
-            return StreamingResponse(_sse(plan), media_type="text/event-stream",
+            return StreamingResponse(self._sse(plan), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         state["in_flight"] += 1
         metrics.in_flight.inc()
         try:
-            result = await completion.complete(engine, plan, tokenizer, metrics.tokens_generated)
+            result = await completion.complete(self.engine, plan, self.tokenizer, metrics.tokens_generated)
         except Exception as exc:
             requests.labels("error").inc()
             return _server_error(exc).response()
@@ -141,13 +153,15 @@ def openai_router(
         requests.labels("ok").inc()
         return JSONResponse(result.model_dump(mode="json"))
 
-    async def _sse(plan: TurnPlan) -> AsyncIterator[bytes]:
+    async def _sse(self, plan: TurnPlan) -> AsyncIterator[bytes]:
+        state, metrics = self.state, self.metrics
         state["in_flight"] += 1
         metrics.in_flight.inc()
         outcome = "error"
         try:
             try:
-                async for part in completion.stream(engine, plan, tokenizer, metrics.tokens_generated):
+                parts = completion.stream(self.engine, plan, self.tokenizer, metrics.tokens_generated)
+                async for part in parts:
                     yield _data(part.model_dump(mode="json"))
                 outcome = "ok"
             except Exception as exc:  # the status line is sent: report in-band, as vLLM does
@@ -157,16 +171,17 @@ def openai_router(
             # bookkeeping before any await: a client that went away cancels every await in here
             state["in_flight"] -= 1
             metrics.in_flight.dec()
-            requests.labels(outcome).inc()
+            self.requests.labels(outcome).inc()
 
-    def _plan(req: ChatCompletionRequest) -> TurnPlan:
+    def _plan(self, req: ChatCompletionRequest) -> TurnPlan:
+        cfg, served = self.cfg, self.served
         if req.model != served:
             raise _no_such_model(req.model)
         if req.n > cfg.max_n:
             raise OpenAIError(400, f"n={req.n} exceeds the limit max_n={cfg.max_n}", param="n")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            prompt_ids = renderer.render(req.messages, tools)
+            prompt_ids = self.renderer.render(req.messages, tools)
         except RenderError as exc:
             raise OpenAIError(400, str(exc), param=exc.param) from None
         if len(prompt_ids) > cfg.max_prompt_tokens:
@@ -177,7 +192,7 @@ def openai_router(
                 param="messages",
             )
         budget = req.completion_budget or cfg.agent.max_response_tokens
-        ctx = getattr(engine, "max_context", None)
+        ctx = getattr(self.engine, "max_context", None)
         if isinstance(ctx, int):
             room = ctx - 1 - len(prompt_ids)
             if room < 1:
@@ -199,8 +214,6 @@ def openai_router(
             token_arrays=req.return_token_ids,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
-
-    return router
 
 
 async def _parse(request: Request) -> ChatCompletionRequest:

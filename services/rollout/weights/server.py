@@ -49,6 +49,7 @@ from services.common.metrics import MetricsRegistry
 from services.common.security import TLSServerFiles
 from services.proto_gen import retool_pb2 as pb
 from services.rollout.engine.base import Engine
+from services.rollout.engine.hf import HFEngine
 from services.rollout.engine.weight_spec import validate_push
 from services.transport.weights.auth import TOKEN_METADATA_KEY
 from services.transport.weights.bucketing import (
@@ -470,8 +471,6 @@ async def start_weight_server(engine: Engine, host: str, port: int, token: str, 
 
 
 async def _serve(model: str, host: str, port: int, token: str, dtype: str = "float32") -> None:
-    from services.rollout.engine.hf import HFEngine
-
     engine = HFEngine(model, dtype=dtype)
     ws = await start_weight_server(engine, host, port, token)
     print(f"weight server listening on {host}:{ws.port}", flush=True)

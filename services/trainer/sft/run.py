@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
+from services.trainer.actor import Actor
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.export import export_hf
+from services.trainer.fsdp import apply_fsdp2, device_type, init_distributed
+from services.trainer.packing import TrainSample, pack, plan_equal_micro_batches, shard_for_ranks
 from services.trainer.sft.config import SFTConfig
 from services.trainer.sft.data import DataReport, batch_indices, load_samples, steps_per_epoch
 from services.trainer.sft.render import Rendered
@@ -40,8 +46,6 @@ log = logging.getLogger("retool.sft")
 
 
 def to_train_sample(r: Rendered) -> Any:
-    from services.trainer.packing import TrainSample
-
     ids = torch.tensor(r.input_ids, dtype=torch.long)
     mask = torch.tensor(r.loss_mask, dtype=torch.float32)
     return TrainSample(input_ids=ids, loss_mask=mask, advantages=torch.zeros_like(mask))
@@ -49,8 +53,6 @@ def to_train_sample(r: Rendered) -> Any:
 
 def plan_local(lengths: list[int], budget: int, rank: int, world: int) -> list[list[int]]:
     """This rank's micro-batches (indices into ``lengths``); the same count on every rank."""
-    from services.trainer.packing import plan_equal_micro_batches, shard_for_ranks
-
     shards = shard_for_ranks(lengths, world)
     plans = plan_equal_micro_batches([[lengths[i] for i in shard] for shard in shards], budget)
     return [[shards[rank][j] for j in micro] for micro in plans[rank]]
@@ -92,7 +94,6 @@ class SFTRunner:
         if world == 1 and not dist.is_initialized():
             return None
         self.owns_process_group = not dist.is_initialized()
-        from services.trainer.fsdp import device_type, init_distributed
 
         if device_type() == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -101,10 +102,9 @@ class SFTRunner:
         return mesh
 
     def _setup_model(self, mesh: Any) -> None:
+        # lazy: transformers adds ~5 s of import and only this function needs it
         from transformers import AutoModelForCausalLM
 
-        from services.trainer.actor import Actor
-        from services.trainer.fsdp import apply_fsdp2, device_type
 
         torch.manual_seed(self.cfg.seed)
         lm = AutoModelForCausalLM.from_pretrained(str(self.cfg.model_path), dtype=torch.float32)
@@ -123,6 +123,7 @@ class SFTRunner:
                                            weight_decay=o.weight_decay, foreach=False)
 
     def _load_data(self) -> None:
+        # lazy: transformers adds ~5 s of import and only this function needs it
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(self.cfg.model_path))
@@ -131,8 +132,6 @@ class SFTRunner:
 
     def _resume(self, scheduler: Any) -> tuple[int, int, int, Path | None]:
         """(step, epoch, batch cursor, checkpoint) to start from."""
-        from services.trainer.checkpoint import latest_checkpoint, load_checkpoint
-
         ck = self.cfg.checkpoint
         path: Path | None = Path(ck.resume_from) if ck.resume_from else None
         if path is None and ck.resume == "auto":
@@ -152,8 +151,6 @@ class SFTRunner:
         return meta.step, int(extra["epoch"]), int(extra["cursor"]), path
 
     def _save(self, step: int, epoch: int, cursor: int, scheduler: Any) -> Path:
-        from services.trainer.checkpoint import save_checkpoint
-
         extra = {"epoch": epoch, "cursor": cursor, "num_samples": len(self.samples),
                  "scheduler": scheduler.state_dict()}
         return save_checkpoint(self.cfg.checkpoint.dir, step, self.actor, self.optimizer,
@@ -168,8 +165,6 @@ class SFTRunner:
         return lp.float()
 
     def train_batch(self, batch: list[Any]) -> dict[str, float]:
-        from services.trainer.packing import pack
-
         num_tokens = float(sum(float(s.loss_mask.sum()) for s in batch))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL needs it on the GPU
@@ -191,10 +186,6 @@ class SFTRunner:
 
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> Path:
-        from tqdm import tqdm
-
-        from services.trainer.export import export_hf
-
         cfg = self.cfg
         mesh = self._setup_dist()
         try:

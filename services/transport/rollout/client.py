@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
+
 from services.common.schemas import Group, PromptJob
 
 
@@ -43,8 +45,6 @@ async def rollout_groups(
 ) -> list[Group]:
     """``client_kwargs``: extra ``httpx.AsyncClient`` arguments (the bearer token header and the CA of
     ``ClientSecurity.httpx_kwargs``)."""
-    import httpx
-
     if not urls:
         raise ValueError("rollout_groups: at least one rollout URL is required")
     sem = asyncio.Semaphore(concurrency)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from safetensors import safe_open
 
 from services.proto_gen import retool_pb2 as pb
 from services.proto_gen import retool_pb2_grpc as pb_grpc
@@ -227,8 +228,6 @@ def push_state_dict_shm(named_tensors: Iterable[tuple[str, torch.Tensor]], targe
 
 def iter_checkpoint(checkpoint_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors of a Hugging Face checkpoint directory (``*.safetensors``, sharded or not), lazily."""
-    from safetensors import safe_open
-
     root = Path(checkpoint_dir)
     files = sorted(root.glob("*.safetensors"))
     if not files:

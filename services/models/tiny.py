@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from services.chat.qwen_template import QWEN25_MAX_POSITIONS, QWEN25_VOCAB_SIZE
+from services.chat.qwen_tokenizer import build_qwen25_tokenizer
 from services.common.files import make_world_readable
 
 Size = Literal["tiny", "mini", "small", "bench", "demo"]
@@ -203,6 +205,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0, individual_digits: bool = Fa
     ``extra_corpus``: more training lines (a task's own texts, so they get merges); without them
     the tokenizer is exactly the one of the synthetic corpus alone.
     """
+    # lazy: tokenizers and transformers (~5 s): the CLI reads PRESETS at start without them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -239,6 +242,7 @@ def build_model(size: Size, tokenizer: Any, seed: int = 0, *, vocab_size: int | 
                 tie_word_embeddings: bool | None = None, max_position_embeddings: int | None = None) -> Any:
     """``vocab_size``: embedding rows (default ``len(tokenizer)``; Qwen2.5 pads to 151,936);
     ``tie_word_embeddings``, ``max_position_embeddings``: default the preset's."""
+    # lazy: torch and transformers (~5 s): the CLI reads PRESETS at start without them
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -292,9 +296,6 @@ def init_model_dir(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer == "qwen2.5":
-        from services.chat.qwen_template import QWEN25_MAX_POSITIONS, QWEN25_VOCAB_SIZE
-        from services.chat.qwen_tokenizer import build_qwen25_tokenizer
-
         if extra_corpus:
             raise ValueError("extra_corpus: the qwen2.5 tokenizer is fixed (no training corpus)")
         tok = build_qwen25_tokenizer()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from services.rollout.model_init import MARKUP, init_model_dir
+from services.models.tiny import MARKUP, init_model_dir
 
 
 def test_same_seed_same_weights_other_seed_differs(tmp_path):
