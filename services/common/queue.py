@@ -20,7 +20,9 @@ never fall back to plain text.
 A client rides out a Redis restart or a network cut: a socket that stays silent for
 ``SOCKET_TIMEOUT_S`` (longer than any blocking read the services issue) counts as dropped, and a
 command that hits a dropped or refused connection is
-retried with jittered exponential pauses for about ``REDIS_RETRY_S`` (``connect``), then raised.
+retried with jittered exponential pauses for about ``REDIS_RETRY_S`` (``connect``, ``REDIS_RETRIES``
+retries), then raised. A refusal (wrong password, unknown certificate) looks the same to the client, so
+it too is raised only once the retries are spent; a caller that must learn of it at once passes fewer.
 Every failed attempt calls the ``CONNECTION_ERROR_HOOKS`` (the services' ``/metrics`` count them),
 so an outage the retries hide is still visible. A retried XADD may write an entry twice; readers
 dedupe (see above).
@@ -69,6 +71,7 @@ class RedisAuth(StrictModel):
 
 
 REDIS_RETRY_S = 40.0  # about how long a command waits for a restarting Redis before it fails
+REDIS_RETRIES = 12  # retries that span about REDIS_RETRY_S (pauses of 0.5, 1, 2, 4 then 5 s, jittered)
 SOCKET_TIMEOUT_S = 30.0  # a silent socket (a cut network) is dropped after this; blocking reads are shorter
 CONNECTION_ERROR_HOOKS: list[Callable[[], None]] = []  # called once per failed attempt
 
@@ -83,18 +86,22 @@ class _CountedRetry(Retry):
         return await super().call_with_retry(do, counted, *args, **kwargs)
 
 
-def _retry_kwargs() -> dict[str, object]:
-    # pauses of 0.5, 1, 2, 4 then 5 s (+ jitter): 12 attempts span about REDIS_RETRY_S
-    return {"retry": _CountedRetry(ExponentialWithJitterBackoff(base=0.5, cap=5.0), 12,
+def _retry_kwargs(retries: int) -> dict[str, object]:
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ConfigError(f"redis retries: want a whole number >= 0, got {retries!r}")
+    return {"retry": _CountedRetry(ExponentialWithJitterBackoff(base=0.5, cap=5.0), retries,
                                    supported_errors=(RedisConnectionError, RedisTimeoutError, OSError)),
             "retry_on_error": [RedisConnectionError, RedisTimeoutError, OSError],
             "socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": 10.0, "socket_keepalive": True}
 
 
-def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:
-    """A client for ``redis[s]://host:port/db`` (bytes responses), as ``auth``'s user over its TLS."""
+def connect(url: str, auth: RedisAuth | None = None, *, retries: int = REDIS_RETRIES) -> aioredis.Redis:
+    """A client for ``redis[s]://host:port/db`` (bytes responses), as ``auth``'s user over its TLS.
+
+    A command that hits a dropped or refused connection is retried ``retries`` times before it raises.
+    """
     if auth is None:
-        return aioredis.Redis.from_url(url, decode_responses=False, **_retry_kwargs())
+        return aioredis.Redis.from_url(url, decode_responses=False, **_retry_kwargs(retries))
     if "@" in url.split("//", 1)[-1].split("/", 1)[0]:
         raise ConfigError("redis url: put no credentials in the URL; use the auth settings "
                           "(username, password.file)")
@@ -110,7 +117,7 @@ def connect(url: str, auth: RedisAuth | None = None) -> aioredis.Redis:
         kwargs.update(ssl_ca_certs=auth.tls.ca_file, ssl_check_hostname=True, ssl_cert_reqs="required")
         if auth.tls.cert_file:
             kwargs.update(ssl_certfile=auth.tls.cert_file, ssl_keyfile=auth.tls.key_file)
-    return aioredis.Redis.from_url(url, decode_responses=False, **kwargs, **_retry_kwargs())
+    return aioredis.Redis.from_url(url, decode_responses=False, **kwargs, **_retry_kwargs(retries))
 
 
 def _id(raw: bytes | str) -> str:

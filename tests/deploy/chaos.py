@@ -130,7 +130,16 @@ class Stack:
 
     def up(self) -> None:
         """``compose up`` with REPLICAS rollout replicas; returns once 3 steps reached every replica."""
-        self.c.cmd("up", "-d", "--no-build", "--scale", f"rollout-cpu={REPLICAS}", *SERVICES, timeout=900)
+        self.start()
+        self.settled()
+
+    def start(self, services: list[str] = SERVICES) -> None:
+        """``compose up -d`` of ``services`` with REPLICAS rollout replicas (tests/deploy/cpu_stack.py
+        shares one such stack between the compose smoke test and the chaos test)."""
+        self.c.cmd("up", "-d", "--no-build", "--scale", f"rollout-cpu={REPLICAS}", *services, timeout=900)
+
+    def settled(self) -> None:
+        """Returns once the trainer made 3 steps and every replica is at its version."""
         self.wait_steps(0, n=3, timeout=900)
         self.fleet_in_sync()
 

@@ -22,36 +22,32 @@ the matching failure counter rose). Per fault it prints the time to recover and 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
 from tests.deploy import chaos
-from tests.deploy.engine import Phases, build_image, require_engine
+from tests.deploy.engine import Phases
 from tests.helpers.ledger_witness import check_nothing_unaccounted
 
 pytestmark = pytest.mark.integration
-IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
 FINAL_EXTRA_STEPS = 4
 
 
 @pytest.mark.timeout(3600)
 @pytest.mark.slow(reason="builds the image if no other deploy test did, then a compose stack "
                   "trained under six faults", budget_s=3000)
-def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp_path_factory):
-    require_engine()
+def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(cpu_stack):
     phases = Phases()
-    tmp = tmp_path_factory.mktemp("chaos")
-    tmp.chmod(0o755)
-    build_image(IMAGE)
-    phases.done("build image")
-    s = chaos.Stack.prepare(tmp, IMAGE, f"retool-chaos-{os.getpid()}")
-    phases.done("model and data")
+    # the image, model and data and the bring-up, shared with the compose smoke test (which runs
+    # first on it, tests/deploy/cpu_stack.py); a fresh stack when the smoke test did not run
+    shared = cpu_stack.get(phases)
+    s = shared.stack
     results: list[chaos.FaultResult] = []
     try:
-        s.up()
-        phases.done("compose up, 3 steps")
+        s.settled()
+        phases.done("3 steps, every replica at the trainer's version")
+        restarted_before = shared.trainer_restarts  # by the smoke test: each one more resume
 
         for fault in chaos.FAULTS:
             r = chaos.inject(s, fault)
@@ -65,7 +61,7 @@ def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp
         print(s.diag())
         raise
     finally:
-        s.down()
+        shared.finished = True  # its run is over (or broken): never handed out again
 
     sys.__stderr__.write("\n" + chaos.table(results) + "\n")
     assert report.ok, report.violations  # nothing trained twice, nothing vanished silently
@@ -77,7 +73,9 @@ def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(tmp
     # push to every replica was cancelled by the dead one's failure)
     assert {r.fault: r.trainer_restarts for r in results} == {
         r.fault: int(r.fault.startswith("trainer")) for r in results}
-    assert len(report.resumes) == 3  # the fresh start, the kill in the checkpoint, the final restart
+    # the fresh start, the kill in the checkpoint, the final restart, and each restart an earlier test
+    # made on this stack (the smoke test's, which checks the resume itself)
+    assert len(report.resumes) == 3 + restarted_before
     assert len(results) == len(chaos.FAULTS) == 7
     for r in results:  # each fault showed in Prometheus
         assert r.seen, r

@@ -7,9 +7,11 @@ timed and printed:
 1. ``docker build`` of the CPU image (deploy/docker/Dockerfile; layers cached between runs);
 2. ``compose up`` of the CPU profile with the project's own compose file: Redis, sandbox,
    reward, two rollout-cpu replicas (``--scale``), trainer-cpu, Prometheus, and Grafana where
-   its image exists. The only test-side override is the trainer's run config (small batches,
-   a checkpoint every 2 steps) and the model/data directories (a ``small`` random model from
-   ``retool model init-tiny``, written under a umask of 077 like a hardened root shell);
+   its image exists. The test-side overrides are the trainer's run config (small batches, a
+   checkpoint every 2 steps), the model/data directories (a ``small`` random model from
+   ``retool model init-tiny``, written under a umask of 077 like a hardened root shell), and
+   those of the chaos test, which runs next on the same stack (one bring-up for both,
+   tests/deploy/cpu_stack.py: they lie idle until a fault uses them);
 3. every container healthy, and the sandbox reports per-run cgroups *inside its container*;
 4. hostile code through the deployed sandbox (sent from a rollout container, as the rollout
    service sends it): a memory bomb of many processes is held to the run's cgroup limit, a
@@ -56,18 +58,12 @@ from tests.deploy.engine import (
     REPO,
     Compose,
     Phases,
-    build_image,
-    image_exists,
-    require_engine,
     run,
     wait_for,
-    write_compose_env,
 )
 from tests.helpers.hostile_code import MemoryBombVerdict, forked_memory_bomb
 
 pytestmark = pytest.mark.integration
-IMAGE = os.environ.get("RETOOL_SMOKE_IMAGE", "retool:cpu")
-GRAFANA_IMAGE = "grafana/grafana:11.1.0"
 REPLICAS = 2
 MIN_STEPS = 3
 
@@ -114,19 +110,6 @@ def _prepare(tmp: Path) -> tuple[Path, Path, Path]:
     run_cfg.write_text(yaml.safe_dump(cfg))
     run_cfg.chmod(0o644)
     return tmp / "model", data, run_cfg
-
-
-def _compose(tmp: Path, model: Path, data: Path, run_cfg: Path) -> Compose:
-    env = tmp / "smoke.env"
-    write_compose_env(env, image=IMAGE, model=model, data=data, sandbox_concurrency=8,
-                      extra=TRAINER_ENV)
-    override = tmp / "smoke.override.yml"
-    override.write_text(yaml.safe_dump({"services": {
-        "trainer-cpu": {"volumes": [f"{run_cfg}:/etc/retool/tiny-cpu.yaml:ro"]},
-        "rollout-cpu": {"environment": {"OMP_NUM_THREADS": "1"}},
-    }}))
-    files = [REPO / "deploy" / "docker-compose.yml", override]
-    return Compose(f"retool-smoke-{os.getpid()}", env, files)
 
 
 SERVICES = ["redis", "sandbox", "reward", "prometheus", "rollout-cpu", "trainer-cpu"]
@@ -250,26 +233,13 @@ def _prometheus(c: Compose, path: str) -> dict:
 @pytest.mark.timeout(3000)
 @pytest.mark.slow(reason="builds the image if no other deploy test did, then the whole CPU "
                   "compose profile trains", budget_s=2400)
-def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
-    require_engine()
+def test_cpu_profile_under_a_real_docker_engine(cpu_stack):
     phases = Phases()
-    tmp = tmp_path_factory.mktemp("compose-smoke")
-    tmp.chmod(0o755)
-
-    # 1. the image, as a user builds it (classic builder: no BuildKit on every engine)
-    build_image(IMAGE)
-    phases.done("build image")
-
-    model, data, run_cfg = _prepare(tmp)
-    phases.done(f"model (init-tiny small + {SFT_STEPS}-step SFT) and data")
-    with_grafana = image_exists(GRAFANA_IMAGE)
-    c = _compose(tmp, model, data, run_cfg)
-    services = SERVICES + (["grafana"] if with_grafana else [])
+    # 1.-2. the image, as a user builds it (classic builder: no BuildKit on every engine), the model
+    # and data, and the bring-up; shared with the chaos test, which runs next on the same stack
+    shared = cpu_stack.get(phases)
+    c, services = shared.stack.c, shared.services
     try:
-        # 2. bring-up (compose waits for each depends_on to be healthy before starting the next)
-        c.cmd("up", "-d", "--no-build", "--scale", f"rollout-cpu={REPLICAS}", *services, timeout=900)
-        phases.done("compose up" + (" (with grafana)" if with_grafana else " (no grafana image)"))
-
         # 3. all healthy; the sandbox enforces per-run cgroups inside its container
         expected = len(services) + REPLICAS - 1
         wait_for("every container healthy",
@@ -361,6 +331,7 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
 
         # 8. restart the trainer: it resumes from its checkpoint
         c.cmd("restart", "trainer-cpu", timeout=300)
+        shared.trainer_restarts += 1  # one more resume in the ledger the chaos test checks
         started = time.time()
 
         def resumed() -> int | None:
@@ -380,14 +351,9 @@ def test_cpu_profile_under_a_real_docker_engine(tmp_path_factory):
                  timeout_s=600, interval_s=3, diag=lambda: c.logs("trainer-cpu", 80))
         phases.done(f"trainer restart, resumed from step {resumed_step}")
     except BaseException:
+        shared.finished = True  # the next test gets a fresh stack, not a broken one
         print(_diag(c))
         raise
-    finally:
-        # 9. down -v
-        c.cmd("down", "-v", "--remove-orphans", "--timeout", "20", timeout=300, check=False)
-    assert c.containers() == []
-    left = run(["docker", "volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={c.project}"],
-               timeout=60).stdout.split()
-    assert left == [], left
-    phases.done("compose down -v")
+    # 9. ``down -v`` leaves no container or volume of the project: checked when the last test on the
+    # stack is done (tests/deploy/cpu_stack.py; normally the chaos test, after this one)
     print(json.dumps(phases.times))
