@@ -58,9 +58,8 @@ def _weight_server_factory() -> Any:
 
 
 def run_server(cfg: RolloutConfig) -> None:
-    import uvicorn
-
     from services.rollout.server import create_app
+    from services.rollout.shutdown import serve_draining
 
     setup_logging(cfg.log_level)
     token = read_weight_token(cfg)
@@ -87,8 +86,8 @@ def run_server(cfg: RolloutConfig) -> None:
         },
     )
     app = create_app(cfg, engine, tokenizer, weight_token=token, weight_server_factory=factory)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
-                **cfg.security.uvicorn_kwargs())
+    serve_draining(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                   **cfg.security.uvicorn_kwargs())
 
 
 def push_weights(

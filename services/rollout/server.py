@@ -2,6 +2,9 @@
 
 The app owns the agent loop (engine + tokenizer + sandbox/reward clients) and, when configured,
 the Redis worker and the gRPC weight-push server, all started and stopped with its lifespan.
+``app.state.drain()`` (awaited on SIGTERM, services/rollout/shutdown.py, before the server stops)
+drains the replica: ``/healthz`` says ``draining`` (503), ``/v1/rollouts`` answers 503, the worker
+takes no job and hands back what it holds (services/rollout/worker.py); it returns once it has.
 Invariant: a malformed request is a 422 naming the field; the weight token is never logged.
 """
 
@@ -24,6 +27,7 @@ from services.common.http_auth import protect
 from services.common.logging import get_logger
 from services.common.metrics import add_observability_routes
 from services.common.schemas import Group, version_range
+from services.rollout.agent.drain import SampleDrained
 from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer, Tokenizer
 from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.api import RolloutRequest, sse
@@ -95,7 +99,8 @@ ROLLOUT_RESPONSES = {
     200: {"model": Group, "description": "the scored group, or with stream=true server-sent events",
           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     **responses(400, 401, 422, 429, 502, 503, descriptions={
-        502: "the sandbox or reward service failed", 503: "the engine is down: restart the service"}),
+        502: "the sandbox or reward service failed",
+        503: "the engine is down (restart the service), or the replica drains (send it elsewhere)"}),
 }
 
 
@@ -132,7 +137,20 @@ def create_app(
                                      client_kwargs=cfg.reward_security.httpx_kwargs("reward_security"))
         scorer = reward_client
     agent = AgentLoop(timed, tokenizer, sandbox, cfg.agent, scorer=scorer, observer=metrics)
-    state: dict[str, Any] = {"in_flight": 0, "worker": None}
+    state: dict[str, Any] = {"in_flight": 0, "worker": None, "worker_task": None, "draining": False}
+
+    async def drain() -> None:
+        """Stop taking work and hand back the Redis jobs held; returns once they are handed back."""
+        if state["draining"]:
+            return
+        state["draining"] = True
+        metrics.draining.set(1)
+        agent.draining.set()
+        log.info("draining: no new jobs; running ones get drain_s, then are handed back",
+                 extra={"drain_s": cfg.redis.drain_s, "running": state["in_flight"]})
+        if state["worker"] is not None:
+            state["worker"].begin_drain()
+            await asyncio.gather(state["worker_task"], return_exceptions=True)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -154,7 +172,7 @@ def create_app(
             )
             _worker_metrics(metrics, worker)
             state["worker"] = worker
-            worker_task = asyncio.create_task(worker.run(stop))
+            worker_task = state["worker_task"] = asyncio.create_task(worker.run(stop))
         if cfg.grpc_port is not None and weight_server_factory is not None:
             if not weight_token:
                 raise RuntimeError(
@@ -184,12 +202,13 @@ def create_app(
             await timed.shutdown()
 
     app = FastAPI(title="retool rollout", version="0.1.0", lifespan=lifespan)
+    app.state.drain = drain
     protect(app, cfg.security, metrics.registry)
 
     def health() -> dict[str, Any]:
         error = engine_error(engine)
         return {
-            "status": "ok" if error is None else "error",
+            "status": "error" if error is not None else "draining" if state["draining"] else "ok",
             "engine_error": error,
             "model": cfg.model,
             "engine": cfg.engine,
@@ -197,6 +216,7 @@ def create_app(
             "tool_format": cfg.agent.tool_format,
             "in_flight": state["in_flight"],
             "redis_worker": state["worker"] is not None,
+            "draining": state["draining"],
             "scored": scorer is not None,
         }
 
@@ -209,6 +229,9 @@ def create_app(
         if (error := engine_error(engine)) is not None:  # e.g. vLLM's engine core died: restart me
             metrics.requests.labels("rejected").inc()
             return api_error(503, f"engine unavailable: {error}")
+        if state["draining"]:
+            metrics.requests.labels("rejected").inc()
+            return api_error(503, "this replica is draining (shutting down): send the request to another one")
         if req.n > cfg.max_n:
             return field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
         if req.ground_truth is not None and scorer is None:
@@ -265,6 +288,9 @@ def create_app(
             except SandboxUnavailable as exc:
                 metrics.requests.labels("sandbox_error").inc()
                 return api_error(502, str(exc))
+            except SampleDrained:
+                metrics.requests.labels("rejected").inc()
+                return api_error(503, "this replica drained (shut down) mid-rollout: send the request again")
             finally:
                 state["in_flight"] -= 1
                 metrics.in_flight.dec()
@@ -332,8 +358,12 @@ def _worker_metrics(metrics: RolloutMetrics, worker: Any) -> None:
         ("failed", "jobs_failed"),
         ("dead", "jobs_dead"),
         ("reclaimed", "jobs_reclaimed"),
+        ("handed_back", "jobs_handed_back"),
+        ("taken_over", "jobs_taken_over"),
     ):
         metrics.worker_jobs.labels(outcome).set_function(lambda a=attr: float(getattr(stats, a)))
+    worker.on_handed_back = metrics.jobs_handed_back.inc
+    worker.on_taken_over = metrics.handback_pickup.observe
 
 
 async def _close(server: Any) -> None:
