@@ -22,6 +22,7 @@ within one loop turn (``block_ms``, 1 s by default), a busy one at its next free
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from services.common.queue import RedisStream, StreamMessage, _id, _messages
@@ -35,23 +36,29 @@ class Pickup:
     waited_s: float  # from the hand-back to this pick-up (idle time beyond claim_idle_ms)
 
 
-async def hand_back(stream: RedisStream, consumer: str, claim_idle_ms: int, page: int = 100) -> int:
-    """Move all of ``consumer``'s pending entries to ``HANDED_BACK``, ready to be taken; returns
-    how many. The caller must no longer touch (heartbeat) or ack them."""
-    client, group = stream.client, stream._need_group()
+async def hand_back(stream: RedisStream, consumer: str, claim_idle_ms: int, ids: Collection[str],
+                    page: int = 100) -> int:
+    """Move those of ``ids`` still pending for ``consumer`` to ``HANDED_BACK``, ready to be taken;
+    returns how many. The caller must no longer touch (heartbeat) or ack them."""
+    client, group, wanted = stream.client, stream._need_group(), set(ids)
     moved, start = 0, "-"
-    while True:
+    while wanted:
         rows = await client.xpending_range(stream.stream, group, min=start, max="+", count=page,
                                            consumername=consumer)
         if not rows:
-            return moved
+            break
+        start = "(" + _id(rows[-1]["message_id"])
+        rows = [r for r in rows if _id(r["message_id"]) in wanted]
+        if not rows:
+            continue
         async with client.pipeline(transaction=True) as pipe:
             for row in rows:
                 pipe.xclaim(stream.stream, group, HANDED_BACK, 0, [row["message_id"]], idle=claim_idle_ms,
                             retrycount=max(int(row["times_delivered"]) - 1, 0), justid=True)
             await pipe.execute()
         moved += len(rows)
-        start = "(" + _id(rows[-1]["message_id"])
+        wanted -= {_id(r["message_id"]) for r in rows}
+    return moved
 
 
 async def take_handed_back(stream: RedisStream, consumer: str, claim_idle_ms: int,

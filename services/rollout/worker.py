@@ -13,9 +13,11 @@ At-least-once semantics:
 - on a drain (``begin_drain``, SIGTERM: services/rollout/shutdown.py) it stops reading and
   claiming at once and sets ``agent.draining`` (samples stop at their next turn boundary, after
   their checkpoint, with ``SampleDrained``); on a drain or a shutdown, running jobs get ``drain_s``
-  to finish (a drain is cut short by ``stop``); then the rest are cancelled, and every job this
-  consumer still holds is handed back at once (services/rollout/handback.py: no ``claim_idle_ms``
-  wait, the drain not counted as a delivery); replicas take handed-back jobs before new prompts;
+  to finish (a drain is cut short by ``stop``); then the rest are cancelled, and every job the
+  drain or shutdown interrupted (running, drained or read but not started) is handed back at once
+  (services/rollout/handback.py: no ``claim_idle_ms`` wait, the drain not counted as a delivery);
+  a job that failed stays pending here for its retry after ``claim_idle_ms``, as above; replicas
+  take handed-back jobs before new prompts;
 - a replica presumed dead that still finishes writes a second group for the same job: the
   trainer dedupes groups on ``job_id``.
 """
@@ -78,6 +80,7 @@ class RolloutWorker:
         self.stats = WorkerStats()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.draining = asyncio.Event()
+        self._interrupted: set[str] = set()  # entry ids to hand back: drained, or read but not started
         # seconds from a hand-back to its pick-up here, per taken-over job (the server's metrics)
         self.on_taken_over: Callable[[float], None] = lambda _waited_s: None
         self.on_handed_back: Callable[[int], None] = lambda _jobs: None
@@ -120,12 +123,14 @@ class RolloutWorker:
                     self.stats.jobs_reclaimed += len(msgs)
                 if not msgs:
                     msgs = await self.prompts.read(self.consumer, count=free, block_ms=self.cfg.block_ms)
-                if self.draining.is_set():  # read as the drain began: left pending, handed back below
+                if self.draining.is_set():  # read as the drain began: handed back below
+                    self._interrupted.update(m.id for m in msgs)
                     break
                 for msg in msgs:
                     self._start(msg)
         finally:
             await self._let_running_finish(stop)
+            self._interrupted.update(self._tasks)
             heartbeat.cancel()
             for task in list(self._tasks.values()):
                 task.cancel()
@@ -149,7 +154,7 @@ class RolloutWorker:
     async def _hand_back(self) -> None:
         """Give every job this consumer still holds back at once (services/rollout/handback.py)."""
         try:
-            n = await hand_back(self.prompts, self.consumer, self.cfg.claim_idle_ms)
+            n = await hand_back(self.prompts, self.consumer, self.cfg.claim_idle_ms, self._interrupted)
         except Exception:  # they stay pending here and are re-claimed after claim_idle_ms
             log.error("hand-back failed; jobs wait claim_idle_ms", exc_info=True)
             return
@@ -255,6 +260,7 @@ class RolloutWorker:
         except asyncio.CancelledError:
             raise
         except SampleDrained:  # stopped at a turn boundary: handed back when the drain ends
+            self._interrupted.add(msg.id)
             log.info("prompt job drained", extra={"job_id": job.job_id})
         except Exception as exc:
             self.stats.jobs_failed += 1

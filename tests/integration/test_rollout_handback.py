@@ -98,11 +98,12 @@ async def test_hand_back_keeps_the_delivery_count_and_each_job_goes_to_one_taker
     q = RedisStream(client, PROMPTS, GROUP)
     await q.ensure_group()
     ids = [await q.add(_job(4).to_msgpack()) for _ in range(5)]
-    assert len(await q.read("a", count=5)) == 5
+    failed = await q.add(_job(4).to_msgpack())  # a job that failed here: not handed back
+    assert len(await q.read("a", count=6)) == 6
     await client.xclaim(PROMPTS, GROUP, "a", 0, [ids[0]])  # job 0 delivered twice (a re-claim)
 
-    assert await hand_back(q, "a", CLAIM_IDLE_MS, page=2) == 5  # paged
-    assert await _pending_of(client, "a") == []
+    assert await hand_back(q, "a", CLAIM_IDLE_MS, [*ids, "1-1"], page=2) == 5  # paged; 1-1: not pending
+    assert [r["message_id"].decode() for r in await _pending_of(client, "a")] == [failed]
     rows = await _pending_of(client, HANDED_BACK)
     assert {r["message_id"].decode() for r in rows} == set(ids)
     # ready for any claim at once, and the drain's delivery not counted
@@ -117,7 +118,7 @@ async def test_hand_back_keeps_the_delivery_count_and_each_job_goes_to_one_taker
     assert {p.msg.id: p.msg.deliveries for p in taken} == {i: 2 if i == ids[0] else 1 for i in ids}
     assert all(0 <= p.waited_s < 60 for p in taken)
     assert await take_handed_back(q, "e", CLAIM_IDLE_MS, 5) == []
-    assert await q.pending() == 5  # still pending (at-least-once): acked only with a group
+    assert await q.pending() == 6  # still pending (at-least-once): acked only with a group
     await client.aclose()
 
 
@@ -127,7 +128,7 @@ async def test_a_replica_that_never_looks_for_hand_backs_still_claims_them_at_on
     await q.ensure_group()
     entry = await q.add(_job(4).to_msgpack())
     await q.read("a", count=1)
-    await hand_back(q, "a", CLAIM_IDLE_MS)
+    await hand_back(q, "a", CLAIM_IDLE_MS, [entry])
     (msg,) = await q.claim_stale("old", min_idle_ms=CLAIM_IDLE_MS, count=10)  # XAUTOCLAIM, as before
     assert msg.id == entry and msg.deliveries == 1
     await client.aclose()
