@@ -85,6 +85,22 @@ async def _until(cond: Any, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _running(client: Any, jobs: list[PromptJob], stop: asyncio.Event | None = None,
+                   **kw: Any) -> tuple[RolloutWorker, asyncio.Task[None]]:
+    """Replica ``a`` (``_worker`` settings ``kw``) running every one of ``jobs``."""
+    prompts = RedisStream(client, PROMPTS, GROUP)
+    await prompts.ensure_group()
+    for j in jobs:
+        await prompts.add(j.to_msgpack())
+    a = _worker(client, "a", **kw)
+    task = asyncio.create_task(a.run(stop or asyncio.Event()))
+
+    async def running() -> bool:
+        return a.stats.in_flight == len(jobs)
+    await _until(running, "replica a running every job")
+    return a, task
+
+
 async def _pending_of(client: Any, consumer: str) -> list[dict[str, Any]]:
     return await client.xpending_range(PROMPTS, GROUP, min="-", max="+", count=100, consumername=consumer)
 
@@ -138,16 +154,8 @@ async def test_drain_hands_running_jobs_back_and_another_replica_takes_them_befo
         redis_server) -> None:
     client = connect(redis_server.url)
     prompts = RedisStream(client, PROMPTS, GROUP)
-    await prompts.ensure_group()
     first = [_job(max_tokens=400) for _ in range(2)]  # 8 s of generation each: running at the drain
-    for j in first:
-        await prompts.add(j.to_msgpack())
-    a = _worker(client, "a", drain_s=0.3)
-    run_a = asyncio.create_task(a.run(asyncio.Event()))
-
-    async def a_holds_both() -> bool:
-        return a.stats.in_flight == 2
-    await _until(a_holds_both, "replica a running both jobs")
+    a, run_a = await _running(client, first, drain_s=0.3)
     later = [_job(max_tokens=2) for _ in range(2)]  # queued behind: b must take the handed-back ones first
     for j in later:
         await prompts.add(j.to_msgpack())
@@ -183,15 +191,7 @@ async def test_drain_hands_running_jobs_back_and_another_replica_takes_them_befo
 async def test_a_sample_drained_at_its_turn_boundary_is_handed_back_without_waiting_drain_s(
         redis_server) -> None:
     client = connect(redis_server.url)
-    prompts = RedisStream(client, PROMPTS, GROUP)
-    await prompts.ensure_group()
-    await prompts.add(_job(4).to_msgpack())
-    a = _worker(client, "a", agent_cls=DrainedAtTurnBoundary, drain_s=600)
-    run_a = asyncio.create_task(a.run(asyncio.Event()))
-
-    async def running() -> bool:
-        return a.stats.in_flight == 1
-    await _until(running, "the job running")
+    a, run_a = await _running(client, [_job(4)], agent_cls=DrainedAtTurnBoundary, drain_s=600)
     a.begin_drain()
     await asyncio.wait_for(run_a, 60)  # well before drain_s: the sample stopped at its boundary
     assert (a.stats.jobs_handed_back, a.stats.jobs_failed, a.stats.jobs_done) == (1, 0, 0)
@@ -201,16 +201,8 @@ async def test_a_sample_drained_at_its_turn_boundary_is_handed_back_without_wait
 
 async def test_stop_during_a_drain_cuts_it_short_and_still_hands_back(redis_server) -> None:
     client = connect(redis_server.url)
-    prompts = RedisStream(client, PROMPTS, GROUP)
-    await prompts.ensure_group()
-    await prompts.add(_job(100_000).to_msgpack())  # never finishes on its own
-    a = _worker(client, "a", drain_s=600)
     stop = asyncio.Event()
-    run_a = asyncio.create_task(a.run(stop))
-
-    async def running() -> bool:
-        return a.stats.in_flight == 1
-    await _until(running, "the job running")
+    a, run_a = await _running(client, [_job(100_000)], stop, drain_s=600)  # never finishes on its own
     a.begin_drain()
     await asyncio.sleep(0.3)  # the drain is under way (not a wait for a condition: any length works)
     assert not run_a.done()
