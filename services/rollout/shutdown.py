@@ -33,6 +33,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_requested = False  # set in the signal handler itself: a second signal sees it
         self._draining: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
@@ -40,12 +41,13 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first_term = sig == signal.SIGTERM and self._draining is None and not self.should_exit
+        first_term = sig == signal.SIGTERM and not self._drain_requested and not self.should_exit
         if first_term and self.started and self._loop is not None:
+            self._drain_requested = True
             log.info("SIGTERM: draining (a second SIGTERM or SIGINT cuts the drain short)")
             self._loop.call_soon_threadsafe(self._begin_drain)
             return
-        if self._draining is not None and not self._draining.done():
+        if self._drain_requested and not self.should_exit:
             log.warning("signal %s during the drain: cutting it short", sig)
         super().handle_exit(sig, frame)
 

@@ -142,12 +142,14 @@ class RolloutWorker:
         """Up to ``drain_s`` for running jobs (heartbeat still on); a drain is cut short by ``stop``."""
         if not self._tasks or self.cfg.drain_s <= 0:
             return
-        waiters = [asyncio.ensure_future(asyncio.wait(list(self._tasks.values()), timeout=self.cfg.drain_s))]
-        if not stop.is_set():  # draining: a second signal (the server's stop) cuts it short
-            waiters.append(asyncio.ensure_future(stop.wait()))
-        _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for w in pending:
-            w.cancel()
+        if not (self.draining.is_set() and stop.is_set()):  # both: a second signal came, cut short
+            running = list(self._tasks.values())
+            waiters = [asyncio.ensure_future(asyncio.wait(running, timeout=self.cfg.drain_s))]
+            if self.draining.is_set():  # a drain: the server's stop (a second signal) cuts it short
+                waiters.append(asyncio.ensure_future(stop.wait()))
+            _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
         if self._tasks and stop.is_set() and self.draining.is_set():
             log.warning("drain cut short", extra={"running": len(self._tasks)})
 

@@ -69,21 +69,25 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
         server.stop()
 
 
-@pytest.fixture
-def replicas(tmp_path_factory, sandbox_url, redis_url) -> Iterator[list[ServiceProcess]]:
+def _replica(tmp_path_factory: pytest.TempPathFactory, sandbox_url: str, redis_url: str, i: int,
+             drain_s: float) -> ServiceProcess:
     from tests.helpers.tiny_model import tiny_model_dir
 
     model = tiny_model_dir(tmp_path_factory)
-    logs = tmp_path_factory.mktemp("drain")
-    procs = [ServiceProcess(
+    return ServiceProcess(
         ["rollout", "serve", "--model", str(model), "--set", "engine=synthetic", "--sandbox-url", sandbox_url,
          "--redis-url", redis_url, "--set", f"redis.prompts_stream={PROMPTS}",
          "--set", f"redis.groups_stream={GROUPS}", "--set", f"redis.consumer=replica-{i}",
          "--set", "redis.concurrency=4", "--set", f"redis.claim_idle_ms={CLAIM_IDLE_MS}",
-         "--set", f"redis.drain_s={DRAIN_S}",
+         "--set", f"redis.drain_s={drain_s}",
          *[x for k, v in ENGINE.items() for x in ("--set", f"engine_kwargs.{k}={v}")]],
-        env={"OMP_NUM_THREADS": "1"}, log_path=logs / f"replica-{i}.log", startup_timeout_s=240)
-        for i in range(2)]
+        env={"OMP_NUM_THREADS": "1"}, log_path=tmp_path_factory.mktemp("drain") / f"replica-{i}.log",
+        startup_timeout_s=240)
+
+
+@pytest.fixture
+def replicas(tmp_path_factory, sandbox_url, redis_url) -> Iterator[list[ServiceProcess]]:
+    procs = [_replica(tmp_path_factory, sandbox_url, redis_url, i, DRAIN_S) for i in range(2)]
     with ThreadPoolExecutor(2) as pool:  # both start at once (model-free, but torch imports)
         started = [pool.submit(p.start) for p in procs]
         try:
@@ -100,19 +104,28 @@ def replicas(tmp_path_factory, sandbox_url, redis_url) -> Iterator[list[ServiceP
             p.stop(grace_s=DRAIN_S + EXIT_MARGIN_S)
 
 
-def _jobs() -> list[PromptJob]:
+def _jobs(n: int = JOBS) -> list[PromptJob]:
     return [PromptJob(messages=[ChatMessage(role="user", content=f"Problem #{k}: compute it.")], n=2,
-                      sampling={"max_tokens": 4000}, policy_version=0) for k in range(JOBS)]
+                      sampling={"max_tokens": 4000}, policy_version=0) for k in range(n)]
+
+
+def _add(r: redis.Redis, jobs: list[PromptJob]) -> None:
+    with r.pipeline(transaction=True) as pipe:  # one write: the replicas' blocked reads split them
+        for j in jobs:
+            pipe.xadd(PROMPTS, {b"d": j.to_msgpack()})
+        pipe.execute()
+
+
+def _draining(p: ServiceProcess) -> dict | None:
+    h = httpx.get(p.url + "/healthz", timeout=5)
+    return h.json() if h.status_code == 503 and h.json().get("status") == "draining" else None
 
 
 @pytest.mark.timeout(600)
 def test_sigterm_drains_and_the_other_replica_takes_the_jobs_at_once(replicas, redis_url) -> None:
     r = redis.Redis.from_url(redis_url)
     jobs = _jobs()
-    with r.pipeline(transaction=True) as pipe:  # one write: the replicas' blocked reads split them
-        for j in jobs:
-            pipe.xadd(PROMPTS, {b"d": j.to_msgpack()})
-        pipe.execute()
+    _add(r, jobs)
     held = wait_for("jobs running", lambda: [p for p in replicas
                                              if metric(p.url, "rollout_worker_jobs_in_flight") > 0], 120)
     drained = held[0]
@@ -122,9 +135,9 @@ def test_sigterm_drains_and_the_other_replica_takes_the_jobs_at_once(replicas, r
     drained.proc.send_signal(signal.SIGTERM)
 
     # during the drain: /healthz says draining (503), /metrics answers, /v1/rollouts is refused
-    health = wait_for("/healthz draining", lambda: (h := httpx.get(drained.url + "/healthz", timeout=5))
-                      .status_code == 503 and h.json(), DRAIN_S + EXIT_MARGIN_S, interval_s=0.02)
-    assert health["status"] == "draining" and health["draining"] is True
+    health = wait_for("/healthz draining", lambda: _draining(drained), DRAIN_S + EXIT_MARGIN_S,
+                      interval_s=0.02)
+    assert health["draining"] is True
     assert metric(drained.url, "rollout_draining") == 1.0
     refused = httpx.post(drained.url + "/v1/rollouts", json={"prompt_ids": [1, 2], "n": 1}, timeout=10)
     assert refused.status_code == 503 and "draining" in refused.text
@@ -157,3 +170,20 @@ def test_sigterm_drains_and_the_other_replica_takes_the_jobs_at_once(replicas, r
     print(f"\ndrain: exit {exited_s:.1f} s after SIGTERM (drain_s {DRAIN_S}); {handed:.0f} jobs handed "
           f"back; mean pick-up wait {wait_sum / picked:.3f} s")
 
+
+
+@pytest.mark.timeout(600)
+def test_a_second_sigterm_cuts_the_drain_short_and_still_hands_the_job_back(
+        tmp_path_factory, sandbox_url, redis_url) -> None:
+    r = redis.Redis.from_url(redis_url)
+    with _replica(tmp_path_factory, sandbox_url, redis_url, 0, drain_s=600) as p:  # a drain of 10 min
+        assert p.proc is not None
+        _add(r, _jobs(1))
+        wait_for("the job running", lambda: metric(p.url, "rollout_worker_jobs_in_flight") > 0, 120)
+        p.proc.send_signal(signal.SIGTERM)
+        wait_for("/healthz draining", lambda: _draining(p), EXIT_MARGIN_S, interval_s=0.02)
+        p.proc.send_signal(signal.SIGTERM)  # the second: stop now
+        rc = p.proc.wait(EXIT_MARGIN_S)  # far below drain_s
+        assert rc == -signal.SIGTERM, rc  # uvicorn ends a cut-short process by the signal itself
+        held = r.xpending_range(PROMPTS, GROUP, min="-", max="+", count=10, consumername=HANDED_BACK)
+        assert len(held) == 1 and held[0]["times_delivered"] == 0  # handed back; the drain not counted
