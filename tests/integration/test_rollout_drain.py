@@ -7,7 +7,8 @@ not re-claimed. The replica that holds jobs gets SIGTERM: ``/healthz`` says ``dr
 ``/metrics`` still answers during the drain, ``/v1/rollouts`` is refused with a 503, it exits 0
 within ``drain_s`` and a margin, the other replica takes the handed-back jobs first, every job's
 group is published exactly once and nothing stays pending; the replica holding nothing then
-exits 0 on SIGTERM too.
+exits 0 on SIGTERM too. A second SIGTERM during a (10 min) drain stops the replica at once, and
+its job is still handed back.
 """
 
 from __future__ import annotations
