@@ -64,6 +64,14 @@ class RolloutMetrics(AgentObserver):
             "worker_jobs", "Redis prompt jobs handled since start, by outcome (monotonic)", ("outcome",)
         )
         self.worker_in_flight = r.gauge("worker_jobs_in_flight", "Redis prompt jobs being rolled out")
+        self.draining = r.gauge("draining", "1 while this replica drains (SIGTERM): it takes no job, "
+                                "finishes the turns in progress, then hands its jobs back")
+        self.jobs_handed_back = r.counter(
+            "jobs_handed_back", "Redis prompt jobs handed back by this replica when it drained or shut "
+            "down (just before it exits: the takers' handback_pickup_seconds_count outlives it)")
+        self.handback_pickup = r.histogram(
+            "handback_pickup_seconds", "Seconds from a replica's hand-back of a job to its pick-up here",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
         self.retries = r.counter(
             "retries_total", "Retried calls to another service (services/common/retry.py)",
             ("target", "reason"))

@@ -63,9 +63,8 @@ def _weight_server_factory() -> Any:
 
 def run_server(cfg: RolloutConfig) -> None:
     # lazy: uvicorn and the app (torch) load when serving, not at CLI start
-    import uvicorn
-
     from services.rollout.server import create_app
+    from services.rollout.shutdown import serve_draining
 
     setup_logging(cfg.log_level)
     token = read_weight_token(cfg)
@@ -92,8 +91,8 @@ def run_server(cfg: RolloutConfig) -> None:
         },
     )
     app = create_app(cfg, engine, tokenizer, weight_token=token, weight_server_factory=factory)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
-                **cfg.security.uvicorn_kwargs())
+    serve_draining(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
+                   **cfg.security.uvicorn_kwargs())
 
 
 def push_weights(

@@ -3,6 +3,9 @@
 
 The app owns the agent loop (engine + tokenizer + sandbox/reward clients) and, when configured,
 the Redis worker and the gRPC weight-push server, all started and stopped with its lifespan.
+``app.state.drain()`` (awaited on SIGTERM, services/rollout/shutdown.py, before the server stops)
+drains the replica: ``/healthz`` says ``draining`` (503), ``/v1/rollouts`` answers 503, the worker
+takes no job and hands back what it holds (services/rollout/worker.py); it returns once it has.
 Invariant: a malformed request is a 422 naming the field; the weight token is never logged.
 """
 
@@ -121,7 +124,20 @@ def create_app(
                                      client_kwargs=cfg.reward_security.httpx_kwargs("reward_security"))
         scorer = reward_client
     agent = AgentLoop(timed, tokenizer, sandbox, cfg.agent, scorer=scorer, observer=metrics)
-    state: dict[str, Any] = {"in_flight": 0, "worker": None}
+    state: dict[str, Any] = {"in_flight": 0, "worker": None, "worker_task": None, "draining": False}
+
+    async def drain() -> None:
+        """Stop taking work and hand back the Redis jobs held; returns once they are handed back."""
+        if state["draining"]:
+            return
+        state["draining"] = True
+        metrics.draining.set(1)
+        agent.draining.set()
+        log.info("draining: no new jobs; running ones get drain_s, then are handed back",
+                 extra={"drain_s": cfg.redis.drain_s, "running": state["in_flight"]})
+        if state["worker"] is not None:
+            state["worker"].begin_drain()
+            await asyncio.gather(state["worker_task"], return_exceptions=True)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -140,7 +156,7 @@ def create_app(
             )
             _worker_metrics(metrics, worker)
             state["worker"] = worker
-            worker_task = asyncio.create_task(worker.run(stop))
+            worker_task = state["worker_task"] = asyncio.create_task(worker.run(stop))
         if cfg.grpc_port is not None and weight_server_factory is not None:
             if not weight_token:
                 raise RuntimeError(
@@ -170,12 +186,13 @@ def create_app(
             await timed.shutdown()
 
     app = FastAPI(title="retool rollout", version="0.1.0", lifespan=lifespan)
+    app.state.drain = drain
     protect(app, cfg.security, metrics.registry)
 
     def health() -> dict[str, Any]:
         error = engine_error(engine)
         return {
-            "status": "ok" if error is None else "error",
+            "status": "error" if error is not None else "draining" if state["draining"] else "ok",
             "engine_error": error,
             "model": cfg.model,
             "engine": cfg.engine,
@@ -183,6 +200,7 @@ def create_app(
             "tool_format": cfg.agent.tool_format,
             "in_flight": state["in_flight"],
             "redis_worker": state["worker"] is not None,
+            "draining": state["draining"],
             "scored": scorer is not None,
         }
 
@@ -202,8 +220,12 @@ def _worker_metrics(metrics: RolloutMetrics, worker: Any) -> None:
         ("failed", "jobs_failed"),
         ("dead", "jobs_dead"),
         ("reclaimed", "jobs_reclaimed"),
+        ("handed_back", "jobs_handed_back"),
+        ("taken_over", "jobs_taken_over"),
     ):
         metrics.worker_jobs.labels(outcome).set_function(lambda a=attr: float(getattr(stats, a)))
+    worker.on_handed_back = metrics.jobs_handed_back.inc
+    worker.on_taken_over = metrics.handback_pickup.observe
 
 
 async def _close(server: Any) -> None:

@@ -10,7 +10,14 @@ At-least-once semantics:
   or was delivered more than ``max_deliveries`` times goes to ``<prompts_stream>:dead`` and is acked;
 - while the engine reports itself broken (``engine_error``, e.g. a dead vLLM engine core) no job is
   read or claimed: they stay in the stream for healthy replicas (and for this one once restarted);
-- on shutdown, running jobs get ``drain_s`` to finish; the rest are cancelled and stay pending;
+- on a drain (``begin_drain``, SIGTERM: services/rollout/shutdown.py) it stops reading and
+  claiming at once and sets ``agent.draining`` (samples stop at their next turn boundary, after
+  their checkpoint, with ``SampleDrained``); on a drain or a shutdown, running jobs get ``drain_s``
+  to finish (a drain is cut short by ``stop``); then the rest are cancelled, and every job the
+  drain or shutdown interrupted (running, drained or read but not started) is handed back at once
+  (services/rollout/handback.py: no ``claim_idle_ms`` wait, the drain not counted as a delivery);
+  a job that failed stays pending here for its retry after ``claim_idle_ms``, as above; replicas
+  take handed-back jobs before new prompts;
 - a replica presumed dead that still finishes writes a second group for the same job: the
   trainer dedupes groups on ``job_id``.
 """
@@ -21,14 +28,17 @@ import asyncio
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.logging import get_logger
 from services.common.queue import RedisStream, StreamMessage, publish_and_ack
 from services.common.schemas import Group, PromptJob, version_range
+from services.rollout.agent.drain import SampleDrained
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.config import RedisWorkerConfig
 from services.rollout.engine.base import engine_error
+from services.rollout.handback import hand_back, take_handed_back
 
 log = get_logger("rollout.worker")
 
@@ -39,6 +49,8 @@ class WorkerStats:
     jobs_failed: int = 0
     jobs_dead: int = 0
     jobs_reclaimed: int = 0
+    jobs_handed_back: int = 0  # given back on a drain or shutdown
+    jobs_taken_over: int = 0  # handed back by another replica, taken here
     in_flight: int = 0
 
 
@@ -67,9 +79,20 @@ class RolloutWorker:
         self.dead = RedisStream(prompts.client, f"{prompts.stream}:dead")
         self.stats = WorkerStats()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.draining = asyncio.Event()
+        self._interrupted: set[str] = set()  # entry ids to hand back: drained, or read but not started
+        # seconds from a hand-back to its pick-up here, per taken-over job (the server's metrics)
+        self.on_taken_over: Callable[[float], None] = lambda _waited_s: None
+        self.on_handed_back: Callable[[int], None] = lambda _jobs: None
+
+    def begin_drain(self) -> None:
+        """Take no more jobs; samples stop at their next turn boundary; ``run`` then hands back."""
+        self.draining.set()
+        self.agent.draining.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume until ``stop`` is set; then in-flight jobs are cancelled (they stay pending)."""
+        """Consume until ``stop`` is set or a drain begins; running jobs then get ``drain_s``, the
+        rest are cancelled, and every job still held is handed back."""
         await self.prompts.ensure_group()
         log.info("rollout worker started", extra={"consumer": self.consumer, "stream": self.prompts.stream})
         heartbeat = asyncio.create_task(self._heartbeat(stop))
@@ -77,7 +100,7 @@ class RolloutWorker:
         try:
             for msg in await self.prompts.read_own_pending(self.consumer, count=self.cfg.concurrency):
                 self._start(msg)
-            while not stop.is_set():
+            while not stop.is_set() and not self.draining.is_set():
                 free = self.cfg.concurrency - len(self._tasks)
                 if free <= 0:
                     await asyncio.wait(
@@ -89,9 +112,9 @@ class RolloutWorker:
                 if engine_error(self.agent.engine) is not None:  # take no job a broken engine would fail
                     await asyncio.sleep(self.cfg.block_ms / 1000)
                     continue
-                msgs: list[StreamMessage] = []
+                msgs = await self._take_handed_back(free)
                 now = time.monotonic()
-                if now - last_claim >= self.cfg.heartbeat_ms / 1000:
+                if not msgs and now - last_claim >= self.cfg.heartbeat_ms / 1000:
                     last_claim = now
                     msgs = await self.prompts.claim_stale(
                         self.consumer, min_idle_ms=self.cfg.claim_idle_ms, count=free
@@ -100,16 +123,58 @@ class RolloutWorker:
                     self.stats.jobs_reclaimed += len(msgs)
                 if not msgs:
                     msgs = await self.prompts.read(self.consumer, count=free, block_ms=self.cfg.block_ms)
+                if self.draining.is_set():  # read as the drain began: handed back below
+                    self._interrupted.update(m.id for m in msgs)
+                    break
                 for msg in msgs:
                     self._start(msg)
         finally:
-            if self._tasks and self.cfg.drain_s > 0:  # let running jobs finish (heartbeat still on)
-                await asyncio.wait(list(self._tasks.values()), timeout=self.cfg.drain_s)
+            await self._let_running_finish(stop)
+            self._interrupted.update(self._tasks)
             heartbeat.cancel()
             for task in list(self._tasks.values()):
                 task.cancel()
             await asyncio.gather(heartbeat, *self._tasks.values(), return_exceptions=True)
+            await self._hand_back()
             await self._leave_group()
+
+    async def _let_running_finish(self, stop: asyncio.Event) -> None:
+        """Up to ``drain_s`` for running jobs (heartbeat still on); a drain is cut short by ``stop``."""
+        if not self._tasks or self.cfg.drain_s <= 0:
+            return
+        if not (self.draining.is_set() and stop.is_set()):  # both: a second signal came, cut short
+            running = list(self._tasks.values())
+            waiters = [asyncio.ensure_future(asyncio.wait(running, timeout=self.cfg.drain_s))]
+            if self.draining.is_set():  # a drain: the server's stop (a second signal) cuts it short
+                waiters.append(asyncio.ensure_future(stop.wait()))
+            _, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+        if self._tasks and stop.is_set() and self.draining.is_set():
+            log.warning("drain cut short", extra={"running": len(self._tasks)})
+
+    async def _hand_back(self) -> None:
+        """Give every job this consumer still holds back at once (services/rollout/handback.py)."""
+        try:
+            n = await hand_back(self.prompts, self.consumer, self.cfg.claim_idle_ms, self._interrupted)
+        except Exception:  # they stay pending here and are re-claimed after claim_idle_ms
+            log.error("hand-back failed; jobs wait claim_idle_ms", exc_info=True)
+            return
+        self.stats.jobs_handed_back += n
+        self.on_handed_back(n)
+        if n:
+            log.info("jobs handed back", extra={"jobs": n, "consumer": self.consumer})
+
+    async def _take_handed_back(self, free: int) -> list[StreamMessage]:
+        try:
+            taken = await take_handed_back(self.prompts, self.consumer, self.cfg.claim_idle_ms, free)
+        except Exception:  # a Redis hiccup: the regular claim takes them later
+            log.warning("could not take handed-back jobs", exc_info=True)
+            return []
+        self.stats.jobs_taken_over += len(taken)
+        for p in taken:
+            self.on_taken_over(p.waited_s)
+        return [p.msg for p in taken]
 
     async def _leave_group(self) -> None:
         """Remove this consumer from the group, but only when it holds no pending job (else the
@@ -196,6 +261,9 @@ class RolloutWorker:
             )
         except asyncio.CancelledError:
             raise
+        except SampleDrained:  # stopped at a turn boundary: handed back when the drain ends
+            self._interrupted.add(msg.id)
+            log.info("prompt job drained", extra={"job_id": job.job_id})
         except Exception as exc:
             self.stats.jobs_failed += 1
             log.error(

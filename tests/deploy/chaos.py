@@ -15,6 +15,9 @@ How faults are injected:
   (services/trainer/checkpoint.py) names a file in the trainer's ``/dev/shm`` (a fresh tmpfs on
   every container start, so the restarted trainer does not hold again); while it exists, the
   checkpoint waits half-written, and the SIGKILL lands there;
+- a drain is ``docker stop`` of one rollout replica (SIGTERM, as ``docker compose stop`` and
+  Kubernetes send, then SIGKILL after the grace period): it must exit 0 before that, having handed
+  its jobs back; then ``docker start`` (a stopped container is not restarted by its policy);
 - the network fault disconnects a rollout replica from both its networks for ``NET_CUT_S`` and
   connects it again with its compose aliases;
 - the sandbox's memory fault runs many memory-hungry runs at once in a sandbox container whose
@@ -39,6 +42,7 @@ from typing import Any
 import yaml
 
 from services.trainer.ledger import LedgerReport, check_file
+from tests.deploy import chaos_inflight as inflight
 from tests.deploy.engine import REPO, Compose, run, wait_for, write_compose_env
 from tests.helpers.ledger_witness import StreamWitness, witness_of
 
@@ -49,6 +53,7 @@ HOLD_FILE = "/dev/shm/retool-chaos-hold"
 SANDBOX_MEM_LIMIT = "1536m"
 PUSH_WAIT_S = 10.0
 RECOVER_S = 420.0
+DRAIN_GRACE_S = 60  # deploy/docker-compose.yml: stop_grace_period of the rollout replicas
 
 
 @dataclass
@@ -346,6 +351,7 @@ def kill_rollout(s: Stack) -> FaultResult:
              lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0,
              timeout_s=120, interval_s=0.5)
     reclaimed0 = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000)
+    other0 = inflight.rollout_counters(s, 2)
     step0, r0, t0 = s.trainer_step(), s.restarts(name), time.monotonic()
     s.sigkill(name)
     s.wait_restarted(name, r0)
@@ -353,14 +359,52 @@ def kill_rollout(s: Stack) -> FaultResult:
     s.wait_steps(step0)
     took = time.monotonic() - t0
     reclaimed = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000) - reclaimed0
+    fleet = inflight.fleet_delta(s, 1, 2, other0)
+    continued = inflight.check_kill_regenerated(fleet, int(s.cfg["sampling"]["max_tokens"]))
     window = int(took) + 10
     up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{window}s])')
     restarted = s.prom_sum("rollout_start_time_seconds", window, fn="changes")
     return FaultResult("rollout SIGKILL while generating", took, seen=up0 == 0 or restarted > 0,
                        visible=f"min up{{job=rollout}}={up0}, "
                                f"rollout_start_time_seconds changes +{restarted:.0f}",
-                       redone={"groups_reclaimed": reclaimed},
-                       detail="the restarted replica (same consumer name) takes its own pending jobs back")
+                       redone={"groups_reclaimed": reclaimed,
+                               "tokens_regenerated": fleet[inflight.REGENERATED]},
+                       detail="the restarted replica (same consumer name) takes its own pending jobs back; "
+                              + continued)
+
+
+def drain_rollout(s: Stack) -> FaultResult:
+    """8. SIGTERM (a drain) of rollout replica 1 while it generates: it takes no job, lets the running
+    ones reach a turn boundary (at most redis.drain_s), hands every job back and exits 0 within the
+    grace period; the other replica takes them at once; started again."""
+    name = s.container("rollout-cpu", 1)
+    wait_for("replica 1 generating",
+             lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0,
+             timeout_s=120, interval_s=0.5)
+    other0 = inflight.rollout_counters(s, 2)
+    step0, t0, since = s.trainer_step(), time.monotonic(), int(time.time()) - 1
+    run(["docker", "stop", "--time", str(DRAIN_GRACE_S), name], timeout=DRAIN_GRACE_S + 60)
+    stopped_s = time.monotonic() - t0
+    exit_code = int(s.inspect(name, ".State.ExitCode"))
+    assert exit_code == 0, f"{name} exited {exit_code} on SIGTERM (137: killed at the grace period)"
+    handed = inflight.handed_back_in_logs(name, since)
+    run(["docker", "start", name], timeout=120)
+    wait_for(f"{name} healthy again", lambda: s.running(name), timeout_s=RECOVER_S, interval_s=1)
+    s.fleet_in_sync()
+    s.wait_steps(step0)
+    took = time.monotonic() - t0
+    fleet = inflight.fleet_delta(s, 1, 2, other0)
+    detail = "; ".join((f"stopped (exit 0) in {stopped_s:.1f} s",
+                        inflight.check_drain_regenerated_nothing(fleet),
+                        inflight.check_drain_pickup(fleet, handed)))
+    window = int(took) + 10
+    up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{window}s])')
+    draining = s.prom(f"max_over_time(rollout_draining[{window}s])")
+    return FaultResult("rollout SIGTERM (drain) while generating", took,
+                       seen=up0 == 0 or draining == 1,
+                       visible=f"min up{{job=rollout}}={up0}, max rollout_draining={draining}",
+                       redone={"jobs_handed_back": handed, "tokens_regenerated": fleet[inflight.REGENERATED]},
+                       detail=detail)
 
 
 def kill_sandbox(s: Stack) -> FaultResult:
@@ -539,5 +583,5 @@ def table(results: list[FaultResult]) -> str:
 
 FAULTS: tuple[Callable[[Stack], FaultResult], ...] = (
     kill_rollout, kill_sandbox, kill_reward, kill_trainer_in_checkpoint, kill_redis, cut_rollout_network,
-    sandbox_memory_limit,
+    sandbox_memory_limit, drain_rollout,
 )

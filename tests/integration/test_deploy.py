@@ -37,7 +37,7 @@ from services.sandbox.launcher import SandboxProcess
 from services.sandbox.preflight import CAPABILITIES
 from services.trainer.discovery import system_resolver
 from services.trainer.loop import RunConfig
-from tests.helpers.compose import compose_defaults
+from tests.helpers.compose import DRAIN_MARGIN_S, compose_defaults, duration_s, rollout_drain_s
 from tests.helpers.tiny_model import tiny_model_dir
 from tests.integration.test_trainer_loop import TOKEN, _config, _produce
 
@@ -85,6 +85,16 @@ def test_every_service_has_a_healthcheck_and_restart_policy():
     for name, svc in SERVICES.items():
         assert "healthcheck" in svc, name
         assert svc.get("restart") == "unless-stopped" or "<<" in str(svc), name
+
+
+def test_rollout_replicas_get_a_grace_period_past_their_drain():
+    """SIGTERM drains a replica for up to redis.drain_s; compose's stop must not SIGKILL it first."""
+    for name in ("rollout", "rollout-cpu"):
+        svc = SERVICES[name]
+        args = [compose_defaults(a) for a in svc["command"]]
+        env = {k: compose_defaults(str(v)) for k, v in (svc.get("environment") or {}).items()}
+        drain_s = rollout_drain_s(args, env)
+        assert duration_s(svc["stop_grace_period"]) >= drain_s + DRAIN_MARGIN_S, (name, drain_s)
 
 
 def test_depends_on_waits_for_health():

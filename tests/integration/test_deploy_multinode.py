@@ -68,6 +68,16 @@ def _net_names(svc: dict) -> set[str]:
     return set(nets) if isinstance(nets, (list, dict)) else set()
 
 
+def test_rollout_replicas_keep_a_grace_period_past_their_drain_across_machines():
+    from tests.helpers.compose import DRAIN_MARGIN_S, compose_defaults, duration_s, rollout_drain_s
+
+    for name in ("rollout", "rollout-cpu"):
+        svc = MERGED["services"][name]
+        args = [compose_defaults(a) for a in svc["command"]]
+        env = {k: compose_defaults(str(v)) for k, v in (svc.get("environment") or {}).items()}
+        assert duration_s(svc["stop_grace_period"]) >= rollout_drain_s(args, env) + DRAIN_MARGIN_S, name
+
+
 def test_trainer_on_the_host_network_and_only_redis_and_rollout_published():
     services, nets = MERGED["services"], MERGED["networks"]
     assert set(MULTINODE) == {"services", "networks", "secrets", "x-rollout-secure", "x-trainer-secure",

@@ -32,7 +32,7 @@ from services.common.config import load_config
 from services.sandbox.container_profile import PROFILE_PATH
 from services.stack.secrets import init_secrets
 from services.trainer.loop import RunConfig
-from tests.helpers.compose import compose_defaults
+from tests.helpers.compose import DRAIN_MARGIN_S, compose_defaults, duration_s, rollout_drain_s
 
 pytestmark = pytest.mark.integration
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -229,6 +229,20 @@ def test_capabilities_read_only_roots_probes_and_resources(overlay: str) -> None
         compose_check = COMPOSE[app if app != "rollout" else "rollout-cpu"]["healthcheck"]["test"]
         assert "/healthz" in " ".join(compose_check)
     assert _container(overlay, "rollout")["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollout_pods_get_a_grace_period_past_their_drain_and_as_long_as_compose(overlay: str) -> None:
+    """SIGTERM drains a replica for up to redis.drain_s; the kubelet must not SIGKILL it first, and
+    its liveness probe must not kill it mid-drain (/healthz answers 503 ``draining`` meanwhile)."""
+    c = _container(overlay, "rollout")
+    env = {e["name"]: e.get("value", "") for e in c.get("env", [])}
+    drain_s = rollout_drain_s(c["args"], env)
+    grace = _pod(overlay, "rollout")["terminationGracePeriodSeconds"]
+    assert grace >= drain_s + DRAIN_MARGIN_S, (grace, drain_s)
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= drain_s + DRAIN_MARGIN_S, live
+    assert grace == duration_s(COMPOSE["rollout" if overlay == "gpu" else "rollout-cpu"]["stop_grace_period"])
 
 
 def _compose_reach() -> set[tuple[str, str]]:

@@ -21,6 +21,7 @@ from services.common.errors import error as api_error
 from services.common.errors import field_error, responses
 from services.common.logging import get_logger
 from services.common.schemas import Group, version_range
+from services.rollout.agent.drain import SampleDrained
 from services.rollout.agent.loop import AgentLoop, RewardUnavailable, Scorer
 from services.rollout.api import RolloutRequest, sse
 from services.rollout.config import RolloutConfig
@@ -35,7 +36,8 @@ ROLLOUT_RESPONSES = {
     200: {"model": Group, "description": "the scored group, or with stream=true server-sent events",
           "content": {"text/event-stream": {"schema": {"type": "string"}}}},
     **responses(400, 401, 422, 429, 502, 503, descriptions={
-        502: "the sandbox or reward service failed", 503: "the engine is down: restart the service"}),
+        502: "the sandbox or reward service failed",
+        503: "the engine is down (restart the service), or the replica drains (send it elsewhere)"}),
 }
 
 
@@ -60,6 +62,9 @@ class _Rollouts:
         if (error := engine_error(self.engine)) is not None:  # e.g. vLLM's engine core died: restart me
             metrics.requests.labels("rejected").inc()
             return api_error(503, f"engine unavailable: {error}")
+        if state["draining"]:
+            metrics.requests.labels("rejected").inc()
+            return api_error(503, "this replica is draining (shutting down): send the request to another one")
         if req.n > cfg.max_n:
             return field_error(["body", "n"], f"n={req.n} exceeds the limit max_n={cfg.max_n}")
         if req.ground_truth is not None and self.scorer is None:
@@ -116,6 +121,9 @@ class _Rollouts:
             except SandboxUnavailable as exc:
                 metrics.requests.labels("sandbox_error").inc()
                 return api_error(502, str(exc))
+            except SampleDrained:
+                metrics.requests.labels("rejected").inc()
+                return api_error(503, "this replica drained (shut down) mid-rollout: send the request again")
             finally:
                 state["in_flight"] -= 1
                 metrics.in_flight.dec()
