@@ -11,6 +11,11 @@ refreshed by every write) so the state of an abandoned job expires. Per sample `
 - ``p<i>``: the sample's response length as last reported by the worker's heartbeat.
 
 Invariants:
+- A sample does not wait for its checkpoint's round trip: ``save`` encodes at once into the job's
+  buffer, and one writer per job sends the buffer in one HSET at a time (a newer meta of a sample
+  replaces an unsent older one; segments are never dropped; a failed send keeps its fields for the
+  next). ``flush`` waits until the buffer is in Redis: the final checkpoint and a drain stop wait,
+  so a drained or finished sample's state is in Redis before its job is handed back or published.
 - Append-only: a checkpoint writes one new segment (only the new tokens) and overwrites the small
   meta in the same HSET, so the meta always names complete segments and the bytes written are
   linear in the response length. A replica presumed dead that still writes never corrupts another
@@ -28,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -176,6 +182,9 @@ class JobCheckpoints:
         self._lineage: dict[int, list[str]] = {}
         self._saved_len: dict[int, int] = {}
         self._saved_cells: dict[int, int] = {}
+        self._buffer: dict[str, bytes] = {}  # fields not sent yet
+        self._encode_s = 0.0
+        self._writer: asyncio.Future[None] | None = None
 
     async def load(self) -> None:
         """Read every sample's checkpoint in one round trip; an unreadable one is dropped (restart)."""
@@ -215,8 +224,10 @@ class JobCheckpoints:
         self.observer.regenerated(self.progress.get(index, 0))
 
     # -- save ----------------------------------------------------------------------------------
-    async def save(self, index: int, st: Any, finish: tuple[str, bool] | None = None) -> None:
-        """Append the tokens and cells ``st`` gained since this sample's previous checkpoint."""
+    async def save(self, index: int, st: Any, finish: tuple[str, bool] | None = None, *,
+                   wait: bool = False) -> None:
+        """Append the tokens and cells ``st`` gained since this sample's previous checkpoint: encoded
+        now, sent in the background by the job's writer (``wait``: and flushed)."""
         start = time.perf_counter()
         at, cells_at = self._saved_len.get(index, 0), self._saved_cells.get(index, 0)
         lineage = self._lineage.setdefault(index, [])
@@ -232,12 +243,39 @@ class JobCheckpoints:
             "tool_errors": st.tool_errors, "tool_call_errors": st.tool_call_errors,
             "first_code_token": st.first_code_token, "finish": None if finish is None else list(finish),
         }, use_bin_type=True)
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.hset(self.key, mapping=out)
-            pipe.expire(self.key, self.ttl_s)
-            await pipe.execute()
         self._saved_len[index], self._saved_cells[index] = end, len(st.cells)
-        self.observer.written(sum(len(k) + len(v) for k, v in out.items()), time.perf_counter() - start)
+        self._buffer.update(out)
+        self._encode_s += time.perf_counter() - start
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._send())
+        if wait:
+            await self.flush()
+
+    async def _send(self) -> None:
+        while self._buffer:
+            batch, self._buffer = self._buffer, {}
+            start = time.perf_counter()
+            try:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.hset(self.key, mapping=batch)
+                    pipe.expire(self.key, self.ttl_s)
+                    await pipe.execute()
+            except BaseException:
+                self._buffer = {**batch, **self._buffer}  # newer fields win; the next send retries
+                raise
+            encode_s, self._encode_s = self._encode_s, 0.0
+            self.observer.written(sum(len(k) + len(v) for k, v in batch.items()),
+                                  encode_s + time.perf_counter() - start)
+
+    async def flush(self) -> None:
+        """Wait until every checkpoint saved so far is in Redis; raises the writer's error."""
+        while self._buffer or (self._writer is not None and not self._writer.done()):
+            if self._writer is None or self._writer.done():
+                self._writer = asyncio.ensure_future(self._send())
+            writer = self._writer  # a save may start the next one while this one ends
+            await asyncio.wait([writer])
+            if (error := writer.exception()) is not None:
+                raise error
 
     def progress_fields(self) -> dict[str, int]:
         """``p<i>``: each running sample's response length now (written by the worker's heartbeat)."""

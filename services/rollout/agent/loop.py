@@ -193,7 +193,7 @@ class AgentLoop:
                 finish, truncated = await self._turns(st, prompt_ids, index, sampling, max_turns, budget,
                                                       stops, seed, request_id, on_event, checkpoints)
                 if checkpoints is not None:  # the final state too: a drained sibling does not redo it
-                    await checkpoints.save(index, st, (finish, truncated))
+                    await checkpoints.save(index, st, (finish, truncated), wait=True)
             else:
                 finish, truncated = done
         finally:
@@ -248,6 +248,7 @@ class AgentLoop:
         truncated = False
         while True:
             if checkpoints is not None and self.draining.is_set():  # a turn boundary, checkpointed
+                await checkpoints.flush()
                 raise SampleDrained(f"{request_id}-{index}: drained after {st.turns} turns")
             remaining = budget - len(st.response_ids)
             if remaining <= 0:
