@@ -84,21 +84,21 @@ def encode_group(group: Group | PackedGroup) -> bytes:
     """Schema 2 bytes of a Group (lists) or a PackedGroup; ValueError if an invariant is broken."""
     ids_parts, ver_parts, lp_parts = [], [], []
     for i, t in enumerate(group.trajectories):
-        ids, versions, logprobs = _trajectory_columns(t, f"trajectories[{i}]")
+        ids, versions, logprobs = trajectory_columns(t, f"trajectories[{i}]")
         ids_parts.append(ids)
         ver_parts.append(versions)
         lp_parts.append(logprobs)
     lengths = np.array([len(p) for p in ids_parts], dtype=np.int64)
     ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int64)
     versions = np.concatenate(ver_parts) if ver_parts else np.zeros(0, np.int64)
-    run_versions, run_lengths, runs = _version_runs(versions, lengths)
+    run_versions, run_lengths, runs = version_runs(versions, lengths)
     data: dict[str, Any] = group.model_dump(include=_META)
     data["schema"] = GROUP_SCHEMA
     data["trajectories"] = [t.model_dump(include=_TRAJ_META) for t in group.trajectories]
-    data["prompt_ids"] = _pack_ids(np.asarray(group.prompt_ids, dtype=np.int64), "prompt_ids")
+    data["prompt_ids"] = pack_ids(np.asarray(group.prompt_ids, dtype=np.int64), "prompt_ids")
     data["tokens"] = {
         "lengths": pack_array(lengths, np.uint32),
-        "ids": _pack_ids(ids, "response_ids"),
+        "ids": pack_ids(ids, "response_ids"),
         "runs": pack_array(runs, np.uint32),
         "run_versions": pack_array(run_versions, np.int32),
         "run_lengths": pack_array(run_lengths, np.uint32),
@@ -107,7 +107,7 @@ def encode_group(group: Group | PackedGroup) -> bytes:
     return msgpack.packb(data, use_bin_type=True)
 
 
-def _trajectory_columns(t: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def trajectory_columns(t: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids int64, versions int64, log-probs float32 of the generated tokens) of one trajectory."""
     ids = np.asarray(t.response_ids, dtype=np.int64)
     versions = np.asarray(t.versions, dtype=np.int64)
@@ -123,7 +123,7 @@ def _trajectory_columns(t: Any, where: str) -> tuple[np.ndarray, np.ndarray, np.
     return ids, versions, logprobs[generated]
 
 
-def _version_runs(versions: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def version_runs(versions: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs of equal versions, never crossing a trajectory boundary: (values, lengths, runs per
     trajectory)."""
     if versions.size and (versions.min() < -1 or versions.max() > MAX_ID):
@@ -138,7 +138,7 @@ def _version_runs(versions: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray
     return versions[starts], np.diff(np.append(starts, n)), runs
 
 
-def _pack_ids(ids: np.ndarray, what: str) -> dict[str, Any]:
+def pack_ids(ids: np.ndarray, what: str) -> dict[str, Any]:
     hi = int(ids.max()) if ids.size else 0
     if ids.size and (int(ids.min()) < 0 or hi > MAX_ID):
         raise ValueError(f"{what}: token ids must be in [0, {MAX_ID}]")
@@ -180,7 +180,7 @@ def _columns_v2(prompt: PackedIds, tokens: TokenColumns, n_traj: int) -> Columns
     if len(lengths) != n_traj:
         raise ValueError(f"tokens.lengths: {len(lengths)} entries for {n_traj} trajectories")
     total = int(lengths.sum(dtype=np.int64))
-    ids = _unpack_ids(tokens.ids, "tokens.ids", total)
+    ids = unpack_ids(tokens.ids, "tokens.ids", total)
     runs = packed_array(tokens.runs, np.uint32, "tokens.runs")
     run_versions = packed_array(tokens.run_versions, np.int32, "tokens.run_versions")
     run_lengths = packed_array(tokens.run_lengths, np.uint32, "tokens.run_lengths")
@@ -209,7 +209,7 @@ def _columns_v2(prompt: PackedIds, tokens: TokenColumns, n_traj: int) -> Columns
     _check_finite(compact, "tokens.logprobs")
     logprobs = np.zeros(total, dtype=np.float32)
     logprobs[generated] = compact
-    prompt_ids = _unpack_ids(prompt, "prompt_ids")
+    prompt_ids = unpack_ids(prompt, "prompt_ids")
     return Columns(prompt_ids, lengths, ids, generated.view(np.uint8), logprobs, versions)
 
 
@@ -231,7 +231,7 @@ def _columns_v1(data: dict[str, Any]) -> Columns:
     return Columns(prompt.astype(np.int32), lengths, ids, mask, logprobs, versions)
 
 
-def _unpack_ids(packed: PackedIds, what: str, count: int | None = None) -> np.ndarray:
+def unpack_ids(packed: PackedIds, what: str, count: int | None = None) -> np.ndarray:
     raw, width = packed.data, packed.width
     if len(raw) % width:
         raise ValueError(f"{what}: {len(raw)} bytes is not a multiple of the id width {width}")

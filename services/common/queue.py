@@ -269,8 +269,10 @@ async def publish_and_ack(
     maxlen: int | None = None,
     delete: bool = True,
     extra: dict[str, str] | None = None,
+    delete_keys: list[str] | None = None,
 ) -> str:
-    """XADD ``data`` to ``out`` then XACK (and XDEL) ``ids`` on ``inp``, atomically (MULTI/EXEC).
+    """XADD ``data`` to ``out`` then XACK (and XDEL) ``ids`` on ``inp``, atomically (MULTI/EXEC);
+    ``delete_keys`` (e.g. the job's turn checkpoints) are deleted in the same transaction.
 
     Both streams must live on the same Redis server (``out.client`` is used for the transaction).
     """
@@ -281,5 +283,7 @@ async def publish_and_ack(
         pipe.xack(inp.stream, group, *ids)
         if delete:
             pipe.xdel(inp.stream, *ids)
+        if delete_keys:
+            pipe.delete(*delete_keys)
         res = await pipe.execute()
     return _id(res[0])

@@ -63,6 +63,14 @@ class RedisWorkerConfig(StrictModel):
     max_deliveries: int = Field(
         5, ge=1, description="a job delivered more often goes to the dead-letter stream"
     )
+    checkpoints: bool = Field(True, description=(
+        "write each sample's state to Redis at every turn boundary, so that a re-claimed or handed-back "
+        "job continues its samples instead of restarting them (services/rollout/agent/checkpoint.py)"))
+    checkpoint_ttl_s: int = Field(3600, ge=1, description=(
+        "a job's checkpoints expire this long after their last write (an abandoned job's state)"))
+    checkpoint_max_staleness: int = Field(1, ge=0, description=(
+        "a checkpoint whose oldest generated token is more policy versions behind the engine's "
+        "weights is discarded and the sample restarts; keep it equal to the trainer's max_staleness"))
 
     @model_validator(mode="after")
     def _heartbeat(self) -> RedisWorkerConfig:

@@ -19,7 +19,11 @@ At-least-once semantics:
   a job that failed stays pending here for its retry after ``claim_idle_ms``, as above; replicas
   take handed-back jobs before new prompts;
 - a replica presumed dead that still finishes writes a second group for the same job: the
-  trainer dedupes groups on ``job_id``.
+  trainer dedupes groups on ``job_id``;
+- with ``checkpoints`` on, each sample's state is written at every turn boundary and a job that
+  starts here continues its samples from their checkpoints (``agent/checkpoint.py``); the heartbeat
+  also records each running sample's length (to count regenerated tokens), and the checkpoints are
+  deleted in the transaction that publishes the group.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from services.common.logging import get_logger
 from services.common.queue import RedisStream, StreamMessage, publish_and_ack
 from services.common.schemas import Group, PromptJob, version_range
+from services.rollout.agent.checkpoint import CheckpointObserver, JobCheckpoints, checkpoint_key
 from services.rollout.agent.drain import SampleDrained
 from services.rollout.agent.loop import AgentLoop
 from services.rollout.config import RedisWorkerConfig
@@ -79,6 +84,10 @@ class RolloutWorker:
         self.dead = RedisStream(prompts.client, f"{prompts.stream}:dead")
         self.stats = WorkerStats()
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        obs = agent.observer
+        self.checkpoint_observer = obs if isinstance(obs, CheckpointObserver) else CheckpointObserver()
+        self._checkpoints: dict[str, JobCheckpoints] = {}  # job_id -> its checkpoints, while it runs
+        self._checkpoint_lock = asyncio.Lock()  # a progress beat never lands after the publish's delete
         self.draining = asyncio.Event()
         self._interrupted: set[str] = set()  # entry ids to hand back: drained, or read but not started
         # seconds from a hand-back to its pick-up here, per taken-over job (the server's metrics)
@@ -209,8 +218,22 @@ class RolloutWorker:
             if ids:
                 try:
                     await self.prompts.touch(self.consumer, ids)
+                    await self._write_progress()
                 except Exception:  # a Redis hiccup must not kill the worker; the next beat retries
                     log.warning("heartbeat failed", exc_info=True)
+
+    async def _write_progress(self) -> None:
+        """One HSET per running job: each running sample's response length (``p<i>``)."""
+        async with self._checkpoint_lock:
+            beats = [(c.key, c.ttl_s, f) for c in list(self._checkpoints.values())
+                     if (f := c.progress_fields())]
+            if not beats:
+                return
+            async with self.prompts.client.pipeline(transaction=False) as pipe:
+                for key, ttl_s, fields in beats:
+                    pipe.hset(key, mapping=fields)
+                    pipe.expire(key, ttl_s)
+                await pipe.execute()
 
     async def _dead_letter(self, msg: StreamMessage, reason: str) -> None:
         log.error(
@@ -251,9 +274,10 @@ class RolloutWorker:
             return
         try:
             group = await self.rollout(job, prompt_ids)
-            await publish_and_ack(
-                self.groups, group.to_msgpack(), self.prompts, [msg.id], maxlen=self.cfg.groups_maxlen
-            )
+            done_keys = [checkpoint_key(self.prompts.stream, job.job_id)] if self.cfg.checkpoints else None
+            async with self._checkpoint_lock:
+                await publish_and_ack(self.groups, group.to_msgpack(), self.prompts, [msg.id],
+                                      maxlen=self.cfg.groups_maxlen, delete_keys=done_keys)
             self.stats.jobs_done += 1
             log.info(
                 "group written",
@@ -273,15 +297,27 @@ class RolloutWorker:
             )
 
     async def rollout(self, job: PromptJob, prompt_ids: list[int]) -> Group:
-        trajs = await self.agent.run_group(
-            prompt_ids,
-            job.n,
-            sampling=job.sampling,
-            max_turns=job.max_turns,
-            ground_truth=job.ground_truth,
-            data_source=job.data_source,
-            request_id=job.job_id,
-        )
+        ckpt = None
+        if self.cfg.checkpoints:
+            ckpt = JobCheckpoints(self.prompts.client, checkpoint_key(self.prompts.stream, job.job_id),
+                                  ttl_s=self.cfg.checkpoint_ttl_s,
+                                  max_staleness=self.cfg.checkpoint_max_staleness,
+                                  observer=self.checkpoint_observer)
+            await ckpt.load()
+            self._checkpoints[job.job_id] = ckpt
+        try:
+            trajs = await self.agent.run_group(
+                prompt_ids,
+                job.n,
+                sampling=job.sampling,
+                max_turns=job.max_turns,
+                ground_truth=job.ground_truth,
+                data_source=job.data_source,
+                request_id=job.job_id,
+                checkpoints=ckpt,
+            )
+        finally:
+            self._checkpoints.pop(job.job_id, None)
         lo, hi = version_range(trajs)
         return Group(
             job_id=job.job_id,

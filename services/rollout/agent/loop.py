@@ -22,6 +22,11 @@ Semantics (one response = one trajectory):
 - with ``tool_session: persistent`` the calls of one response run in one live sandbox session,
   opened at its first call and closed when the response ends (also on error or cancellation);
 - with ``sampling.seed`` set, sample ``i`` turn ``t`` uses seed ``seed + i + 1_000_003 * t``;
+- with ``checkpoints`` (the Redis worker), the state is checkpointed at each turn boundary (after
+  the interpreter's output was appended) and when the response ends (``checkpoint.py``); a sample
+  with a checkpoint continues from it (persistent sessions are rebuilt by replaying their cells,
+  which must answer as recorded, else the sample restarts from its prompt); while ``draining`` is
+  set, a checkpointed sample stops at its next turn boundary with ``SampleDrained``;
 - when the response ends and a ground truth is known, it is scored by the reward service with the
   number of tool calls; the scored text is decoded with ``skip_special_tokens=True`` (no EOS or
   chat markers), while ``response_text`` is the plain decode of ``response_ids``.
@@ -42,6 +47,8 @@ from services.chat.format import build_prompt, tool_result_ids
 from services.chat.tool_result import ToolResult
 from services.chat.toolcall import ToolCall, parse_code_call, parse_hermes_call
 from services.common.schemas import RolloutSampling, Trajectory
+from services.rollout.agent.checkpoint import JobCheckpoints, SampleCheckpoint
+from services.rollout.agent.drain import SampleDrained
 from services.rollout.config import AgentConfig
 from services.rollout.engine.base import Engine, SamplingParams
 from services.transport.sandbox.client import SandboxUnavailable
@@ -107,6 +114,7 @@ class _State:
     tool_call_errors: list[bool] = field(default_factory=list)
     first_code_token: int | None = None
     session_id: str | None = None  # tool_session persistent: opened at the first tool call
+    cells: list[tuple[str, str]] = field(default_factory=list)  # persistent: (code, output) run in it
 
     def add_generated(self, ids: list[int], lps: list[float], vers: list[int]) -> None:
         if not (len(ids) == len(lps) == len(vers)):
@@ -164,6 +172,7 @@ class AgentLoop:
         data_source: str | None = None,
         request_id: str = "req",
         on_event: EventSink | None = None,
+        checkpoints: JobCheckpoints | None = None,
     ) -> Trajectory:
         sampling = sampling or RolloutSampling()
         max_turns = self.cfg.max_turns if max_turns is None else max_turns
@@ -175,10 +184,21 @@ class AgentLoop:
         if isinstance(ctx, int):
             budget = min(budget, ctx - 1 - len(prompt_ids))
         st = _State()
+        done: tuple[str, bool] | None = None
         try:
-            finish, truncated = await self._turns(st, prompt_ids, index, sampling, max_turns, budget, stops,
-                                                  seed, request_id, on_event)
+            if checkpoints is not None:
+                st, done = await self._resume(checkpoints, index)
+                checkpoints.live[index] = st
+            if done is None:
+                finish, truncated = await self._turns(st, prompt_ids, index, sampling, max_turns, budget,
+                                                      stops, seed, request_id, on_event, checkpoints)
+                if checkpoints is not None:  # the final state too: a drained sibling does not redo it
+                    await checkpoints.save(index, st, (finish, truncated), wait=True)
+            else:
+                finish, truncated = done
         finally:
+            if checkpoints is not None:
+                checkpoints.live.pop(index, None)
             if st.session_id is not None:  # the trajectory's live interpreter ends with it
                 await self.tools.close_session(st.session_id)  # type: ignore[attr-defined]
         traj = await self._finish(st, index, finish, truncated, ground_truth, data_source)
@@ -187,13 +207,49 @@ class AgentLoop:
             await on_event({"type": "done", "index": index, "trajectory": traj.model_dump(mode="json")})
         return traj
 
+    async def _resume(self, checkpoints: JobCheckpoints,
+                      index: int) -> tuple[_State, tuple[str, bool] | None]:
+        """The state sample ``index`` starts from (its checkpoint's, or empty) and, when the checkpoint
+        is of a finished sample, its (finish reason, truncated)."""
+        ck = checkpoints.resume_point(index, self.engine.version)
+        if ck is None:
+            return _State(), None
+        st = _State(ck.response_ids, ck.loss_mask, ck.logprobs, ck.versions, ck.turns, ck.tool_calls,
+                    ck.tool_errors, ck.tool_call_errors, ck.first_code_token, cells=list(ck.cells))
+        if ck.cells and ck.finish is None and not await self._replay(st, ck):
+            checkpoints.restart(index, "replay_mismatch")
+            return _State(), None
+        checkpoints.resumed(index, ck)
+        return st, ck.finish
+
+    async def _replay(self, st: _State, ck: SampleCheckpoint) -> bool:
+        """Rebuild the persistent session: run its recorded cells in order in a new session; False
+        (session closed) at the first output that differs from the recorded one."""
+        tools: SessionToolRunner = self.tools  # type: ignore[assignment]
+        try:
+            st.session_id = await tools.open_session()
+        except SandboxUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - no session to replay into: restart the sample
+            return False
+        for code, recorded in ck.cells:
+            if (await tools.run(code, session_id=st.session_id)).text != recorded:
+                await tools.close_session(st.session_id)
+                st.session_id = None
+                return False
+        return True
+
     async def _turns(self, st: _State, prompt_ids: list[int], index: int, sampling: RolloutSampling,
                      max_turns: int, budget: int, stops: list[str], seed: int | None, request_id: str,
-                     on_event: EventSink | None) -> tuple[str, bool]:
+                     on_event: EventSink | None,
+                     checkpoints: JobCheckpoints | None = None) -> tuple[str, bool]:
         """Generate and call tools until the response ends; returns (finish reason, truncated)."""
         finish: str
         truncated = False
         while True:
+            if checkpoints is not None and self.draining.is_set():  # a turn boundary, checkpointed
+                await checkpoints.flush()
+                raise SampleDrained(f"{request_id}-{index}: drained after {st.turns} turns")
             remaining = budget - len(st.response_ids)
             if remaining <= 0:
                 finish, truncated = "length", True
@@ -247,6 +303,8 @@ class AgentLoop:
                 if len(ids) > room:
                     finish, truncated = "length", True
                     break
+                if checkpoints is not None:
+                    await checkpoints.save(index, st)
                 continue
             if reason == "stop" and stop_str == ANSWER_STOP:
                 finish = "answer"
@@ -287,7 +345,9 @@ class AgentLoop:
                 raise  # an outage fails the group (see sandbox.py), it is not the model's doing
             except Exception as exc:  # noqa: BLE001 - the model sees why, the next call tries again
                 return ToolResult(f"Sandbox error: {exc}", True)
-        return await tools.run(code, session_id=st.session_id)
+        out = await tools.run(code, session_id=st.session_id)
+        st.cells.append((code, out.text))  # replayed, in order, when the sample continues elsewhere
+        return out
 
     async def _call_tool(self, turn_text: str, index: int, on_event: EventSink | None,
                          st: _State) -> ToolResult:
@@ -357,11 +417,23 @@ class AgentLoop:
         """``n`` independent responses to one prompt, concurrently, ordered by index.
 
         If one response fails (engine or reward error), the others are cancelled and the error
-        is raised: a group is complete or absent.
+        is raised: a group is complete or absent. A response that stops with ``SampleDrained``
+        cancels nobody: the others go on to their own next turn boundary (checkpointed) or their
+        end (checkpointed too), then ``SampleDrained`` is raised.
         """
         tasks = [asyncio.ensure_future(self.run_one(prompt_ids, index=i, **kwargs)) for i in range(n)]
         try:
-            return list(await asyncio.gather(*tasks))
+            pending: set[asyncio.Future[Trajectory]] = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    exc = t.exception()
+                    if exc is not None and not isinstance(exc, SampleDrained):
+                        raise exc
+            drained = [t.exception() for t in tasks if isinstance(t.exception(), SampleDrained)]
+            if drained:
+                raise drained[0]  # type: ignore[misc]
+            return [t.result() for t in tasks]
         except BaseException:
             for t in tasks:
                 t.cancel()
