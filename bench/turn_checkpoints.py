@@ -86,8 +86,8 @@ async def one_round(client: Any, agent: AgentLoop, args: argparse.Namespace, on:
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
+    from services.models.tiny import init_model_dir
     from services.rollout.engine.synthetic import SyntheticEngine
-    from services.rollout.model_init import init_model_dir
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     model = work / "model"
