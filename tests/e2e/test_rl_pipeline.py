@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.process import ServiceProcess, free_port
+from services.common.process import free_port
 from services.data.aime import prepare_aime
 from services.data.dapo import prepare_dapo
 from services.transport.weights.client import get_version
 from tests.helpers import agent_fixtures
 from tests.helpers.datasets import dapo_row, write_aime_2025, write_dapo
 from tests.helpers.ledger_witness import check_ledger_against_redis
-from tests.helpers.redis_server import RedisServer
+from tests.helpers.rl_stack import rl_stack
 from tests.helpers.tiny_model import tiny_model_dir
 from tests.helpers.torchrun import torchrun_cmd, torchrun_env
 
@@ -41,39 +41,8 @@ PROMPTS = 12
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, sandbox_url, reward_url):
     tmp = tmp_path_factory.mktemp("e2e")
-    redis = RedisServer(tmp / "redis").start()
-    model = tiny_model_dir(tmp_path_factory)
-    grpc_port = free_port()
-    args = [
-        "rollout",
-        "serve",
-        "--model",
-        str(model),
-        "--grpc-port",
-        str(grpc_port),
-        "--sandbox-url",
-        sandbox_url,
-        "--reward-url",
-        reward_url,
-        "--redis-url",
-        redis.url,
-        "--weight-token-env",
-        "RETOOL_WEIGHT_TOKEN",
-        "--set",
-        "redis.block_ms=100",
-    ]
-    rollout = ServiceProcess(
-        args, env={"RETOOL_WEIGHT_TOKEN": TOKEN}, log_path=tmp / "rollout.log", startup_timeout_s=180
-    )
-    with rollout:
-        yield {
-            "tmp": tmp,
-            "redis": redis,
-            "model": model,
-            "grpc": f"127.0.0.1:{grpc_port}",
-            "http": rollout.url,
-        }
-    redis.stop()
+    with rl_stack(tmp, tiny_model_dir(tmp_path_factory), sandbox_url, reward_url, TOKEN) as services:
+        yield services
 
 
 def _config(stack, max_steps: int, save_freq: int) -> Path:
