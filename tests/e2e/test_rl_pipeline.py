@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.process import free_port
 from services.data.aime import prepare_aime
 from services.data.dapo import prepare_dapo
 from services.transport.weights.client import get_version
