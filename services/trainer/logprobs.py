@@ -7,8 +7,10 @@ forward and in backward: the LM head, log-softmax, gather and entropy are one au
 (``_LinearLogProbs``) that keeps only ``h``, ``W``, the targets and two floats per position
 (log-sum-exp and entropy), and recomputes each chunk's logits in backward, where it writes the
 gradient of the logits in place. Peak memory is O(chunk_tokens × vocab), independent of the
-sequence length. (Autograd through ``log_softmax``/``softmax`` ops keeps ~4 such buffers per chunk
-and needs ~4 more for their gradients: with Qwen's 151,936 rows that is 1.2 GB each at 2,048 tokens.)
+sequence length. (The previous head ran autograd's ``logsumexp``/``softmax`` per chunk under
+``torch.utils.checkpoint``: in backward the recomputed logits and softmax of all chunks were alive
+together, so its peak grew with T: 9.6 GiB at 4,352 tokens with Qwen's 151,936 rows, past 22 GiB at
+16,640; this one: 2.4 and 2.8 GiB. bench/qwen_long.py, docs/benchmarks.md.)
 
 Gradients (``z`` the logits of a position, ``p = softmax(z)``, ``H`` its entropy, ``y`` its target):
 ``d lp / dz = onehot(y) - p`` and ``d H / dz = -p * (log p + H)``; both are scaled by ``1/T``
