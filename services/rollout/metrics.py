@@ -89,7 +89,8 @@ class RolloutMetrics(AgentObserver, CheckpointObserver):
             "again (lower bound: the heartbeat's granularity)"))
         self.m_samples_resumed = r.counter("samples_resumed", "Samples continued from a turn checkpoint")
         self.m_samples_restarted = r.counter(
-            "samples_restarted", "Samples with a checkpoint that restarted from their prompt, by reason",
+            "samples_restarted",
+            "Samples a previous attempt had started that restarted from their prompt, by reason",
             ("reason",))
         for reason in RESTART_REASONS:
             self.m_samples_restarted.labels(reason)

@@ -345,10 +345,13 @@ def _background(fn: Callable[[], Any]) -> threading.Thread:
 
 # ---- the faults --------------------------------------------------------------------------------
 def kill_rollout(s: Stack) -> FaultResult:
-    """1. SIGKILL of rollout replica 1 while it generates; restarted by its policy."""
+    """1. SIGKILL of rollout replica 1 while it generates, right after it wrote a turn checkpoint (so
+    there is work in flight to continue); restarted by its policy."""
     name = s.container("rollout-cpu", 1)
-    wait_for("replica 1 generating",
-             lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0,
+    written0 = s.metric("rollout-cpu", 1, "rollout_checkpoint_bytes_total", 8000)
+    wait_for("replica 1 generating, and writing turn checkpoints",
+             lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0
+             and s.metric("rollout-cpu", 1, "rollout_checkpoint_bytes_total", 8000) > written0,
              timeout_s=120, interval_s=0.5)
     reclaimed0 = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000)
     other0 = inflight.rollout_counters(s, 2)

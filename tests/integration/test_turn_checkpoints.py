@@ -194,11 +194,12 @@ async def test_killed_replica_job_continues_from_the_last_turn_checkpoint(redis_
         assert (group.min_version, group.max_version) == (5, 6)
         assert (obs.samples_resumed, obs.tokens_resumed) == (2, sum(kept_len.values()))
         assert obs.tokens_regenerated == sum(progress[i] - kept_len[i] for i in (0, 1)) >= 2 * HANG_AFTER
-        assert obs.samples_restarted == {"stale": 0, "replay_mismatch": 0}
+        assert obs.samples_restarted == {"stale": 0, "replay_mismatch": 0, "no_checkpoint": 0}
     else:  # version 7 is 2 ahead of the checkpoints' 5: they are discarded, the samples restart
         assert {v for t in group.trajectories for v in t.versions} == {-1, 7}
         assert sorted(b_engine.requests) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-        assert obs.samples_restarted == {"stale": 2, "replay_mismatch": 0} and obs.samples_resumed == 0
+        assert obs.samples_restarted == {"stale": 2, "replay_mismatch": 0, "no_checkpoint": 0}
+        assert obs.samples_resumed == 0
         assert obs.tokens_regenerated == progress[0] + progress[1]
     await sandbox.aclose()
     await client.aclose()
@@ -210,6 +211,21 @@ REPLAY = {
     1: ["Draw.\n<code>import random\nprint(random.random())</code>", "Again.\n<code>print(1 + 1)</code>",
         "<answer>\\boxed{2}</answer>"],
 }
+
+
+async def test_a_started_sample_without_a_checkpoint_restarts_and_is_counted(redis_server) -> None:
+    """A sample a dead replica had started (heartbeat progress) but not checkpointed restarts from its
+    prompt, counted as ``no_checkpoint`` with its progress regenerated; one it had not started is new."""
+    client = connect(redis_server.url)
+    key = checkpoint_key("retool:prompts", "job-nock")
+    await client.hset(key, mapping={"p0": 12})
+    ckpt = JobCheckpoints(client, key, ttl_s=60, max_staleness=1, observer=CheckpointObserver())
+    await ckpt.load()
+    assert ckpt.resume_point(0, 3) is None and ckpt.resume_point(1, 3) is None
+    obs = ckpt.observer
+    assert obs.samples_restarted == {"stale": 0, "replay_mismatch": 0, "no_checkpoint": 1}
+    assert (obs.tokens_regenerated, obs.samples_resumed) == (12, 0)
+    await client.aclose()
 
 
 async def test_persistent_session_is_replayed_and_a_differing_cell_restarts_its_sample(
@@ -237,7 +253,8 @@ async def test_persistent_session_is_replayed_and_a_differing_cell_restarts_its_
     assert sorted(b_engine.requests) == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     assert (t1.tool_calls, t1.tool_errors, t1.finish_reason) == (2, 0, "answer")
     obs = b.checkpoint_observer
-    assert obs.samples_restarted == {"stale": 0, "replay_mismatch": 1} and obs.samples_resumed == 1
+    assert obs.samples_restarted == {"stale": 0, "replay_mismatch": 1, "no_checkpoint": 0}
+    assert obs.samples_resumed == 1
     await sandbox.aclose()
     await client.aclose()
 

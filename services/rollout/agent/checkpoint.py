@@ -24,7 +24,9 @@ Invariants:
   does) and per-token versions exactly; only what came after the checkpoint is generated again.
 - A checkpoint is not resumed when its oldest generated token is more than ``max_staleness``
   versions behind the engine's weights (``restarted{reason="stale"}``), nor when its session cells
-  replay to different outputs (``restarted{reason="replay_mismatch"}``, see ``loop.py``).
+  replay to different outputs (``restarted{reason="replay_mismatch"}``, see ``loop.py``); a sample
+  that a previous attempt had started (heartbeat progress) but never checkpointed restarts too
+  (``restarted{reason="no_checkpoint"}``), so every sample of a dead replica that continues is counted.
 - ``tokens_regenerated`` = max(0, heartbeat progress - checkpointed length) per continued sample
   (the whole progress for a restarted one): a lower bound, at heartbeat granularity (tokens
   generated after the dead replica's last beat are not seen).
@@ -46,7 +48,7 @@ import numpy as np
 from services.common.group_wire import PackedIds, pack_ids, trajectory_columns, unpack_ids, version_runs
 from services.common.schemas import pack_array, packed_array, unpack_map
 
-RESTART_REASONS = ("stale", "replay_mismatch")
+RESTART_REASONS = ("stale", "replay_mismatch", "no_checkpoint")
 
 
 def checkpoint_key(prompts_stream: str, job_id: str) -> str:
@@ -203,7 +205,8 @@ class JobCheckpoints:
         """The checkpoint sample ``index`` continues from; None (counted) when it restarts."""
         ck = self.saved.get(index)
         if ck is None:
-            self.observer.regenerated(self.progress.get(index, 0))
+            if self.progress.get(index, 0) > 0:  # started by a previous attempt, never checkpointed
+                self.restart(index, "no_checkpoint")
             return None
         oldest = ck.oldest_version()
         if oldest is not None and engine_version - oldest > self.max_staleness:
