@@ -87,6 +87,9 @@ class RolloutMetrics(AgentObserver, CheckpointObserver):
         self.m_tokens_regenerated = r.counter("tokens_regenerated", (
             "Tokens a dead or drained replica had generated past a sample's last checkpoint, generated "
             "again (lower bound: the heartbeat's granularity)"))
+        self.m_tokens_discarded = r.counter("tokens_discarded", (
+            "Tokens of turn checkpoints not kept (stale beyond redis.checkpoint_max_staleness, or a "
+            "session that did not replay): generated again by choice, not lost to a fault"))
         self.m_samples_resumed = r.counter("samples_resumed", "Samples continued from a turn checkpoint")
         self.m_samples_restarted = r.counter(
             "samples_restarted",
@@ -116,6 +119,10 @@ class RolloutMetrics(AgentObserver, CheckpointObserver):
     def restarted(self, reason: str) -> None:
         super().restarted(reason)
         self.m_samples_restarted.labels(reason).inc()
+
+    def discarded(self, tokens: int) -> None:
+        super().discarded(tokens)
+        self.m_tokens_discarded.inc(tokens)
 
     def regenerated(self, tokens: int) -> None:
         super().regenerated(tokens)

@@ -345,25 +345,48 @@ def _background(fn: Callable[[], Any]) -> threading.Thread:
 
 # ---- the faults --------------------------------------------------------------------------------
 def kill_rollout(s: Stack) -> FaultResult:
-    """1. SIGKILL of rollout replica 1 while it generates, right after it wrote a turn checkpoint (so
-    there is work in flight to continue); restarted by its policy."""
+    """1. SIGKILL of rollout replica 1 while it holds a job with a turn checkpoint (so there is work in
+    flight to continue: the replica is frozen with ``docker pause`` while Redis is read, and thawed
+    again when it holds none); restarted by its policy."""
     name = s.container("rollout-cpu", 1)
-    written0 = s.metric("rollout-cpu", 1, "rollout_checkpoint_bytes_total", 8000)
-    wait_for("replica 1 generating, and writing turn checkpoints",
-             lambda: s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) > 0
-             and s.metric("rollout-cpu", 1, "rollout_checkpoint_bytes_total", 8000) > written0,
-             timeout_s=120, interval_s=0.5)
+
+    def frozen_holding_a_checkpointed_job() -> str | None:
+        if s.metric("rollout-cpu", 1, "rollout_worker_jobs_in_flight", 8000) <= 0:
+            return None
+        run(["docker", "pause", name], timeout=60)
+        job = None
+        try:
+            job = inflight.checkpointed_job_held(s, name)
+        finally:
+            if job is None:
+                run(["docker", "unpause", name], timeout=60)
+        return job
+
+    job = wait_for("replica 1 holding a job with a turn checkpoint", frozen_holding_a_checkpointed_job,
+                   timeout_s=300, interval_s=0.2)
     reclaimed0 = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000)
     other0 = inflight.rollout_counters(s, 2)
     step0, r0, t0 = s.trainer_step(), s.restarts(name), time.monotonic()
-    s.sigkill(name)
+    s.sigkill(name)  # pending while frozen: it lands as the container thaws, before any more work
+    run(["docker", "unpause", name], timeout=60, check=False)
     s.wait_restarted(name, r0)
     s.fleet_in_sync()
     s.wait_steps(step0)
+    # its job continues on the restarted replica at once (the same consumer name) or on any replica
+    # after claim_idle_ms; the group's publication deletes the job's checkpoints
+    wait_for(f"job {job} continued and published", lambda: inflight.checkpoint_gone(s, job),
+             timeout_s=RECOVER_S, interval_s=1)
     took = time.monotonic() - t0
     reclaimed = s.metric("rollout-cpu", 2, 'rollout_worker_jobs{outcome="reclaimed"}', 8000) - reclaimed0
     fleet = inflight.fleet_delta(s, 1, 2, other0)
-    continued = inflight.check_kill_regenerated(fleet, int(s.cfg["sampling"]["max_tokens"]))
+    try:
+        continued = inflight.check_kill_regenerated(fleet, int(s.cfg["sampling"]["max_tokens"]))
+    except AssertionError as exc:  # say what became of the job the replica held
+        logs = {}
+        for i in (1, 2):
+            p = run(["docker", "logs", s.container("rollout-cpu", i)], timeout=60, check=False)
+            logs[i] = [line for line in (p.stdout + p.stderr).splitlines() if job in line]
+        raise AssertionError(f"{exc}\njob {job} in the replicas' logs: {logs}") from None
     window = int(took) + 10
     up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{window}s])')
     restarted = s.prom_sum("rollout_start_time_seconds", window, fn="changes")
@@ -372,8 +395,8 @@ def kill_rollout(s: Stack) -> FaultResult:
                                f"rollout_start_time_seconds changes +{restarted:.0f}",
                        redone={"groups_reclaimed": reclaimed,
                                "tokens_regenerated": fleet[inflight.REGENERATED]},
-                       detail="the restarted replica (same consumer name) takes its own pending jobs back; "
-                              + continued)
+                       detail=f"killed holding job {job} (checkpointed), which the restarted replica "
+                              "or the other one (after claim_idle_ms) continued; " + continued)
 
 
 def drain_rollout(s: Stack) -> FaultResult:
@@ -395,6 +418,10 @@ def drain_rollout(s: Stack) -> FaultResult:
     wait_for(f"{name} healthy again", lambda: s.running(name), timeout_s=RECOVER_S, interval_s=1)
     s.fleet_in_sync()
     s.wait_steps(step0)
+    # each handed-back job is taken by a replica's next loop turn (handback.py): wait for them all
+    taken = (inflight.TAKEN_OVER, inflight.RECLAIMED)
+    wait_for(f"{handed} handed-back jobs taken", lambda: handed == 0 or sum(
+        inflight.fleet_delta(s, 1, 2, other0)[k] for k in taken) >= handed, timeout_s=120, interval_s=2)
     took = time.monotonic() - t0
     fleet = inflight.fleet_delta(s, 1, 2, other0)
     detail = "; ".join((f"stopped (exit 0) in {stopped_s:.1f} s",
@@ -403,9 +430,11 @@ def drain_rollout(s: Stack) -> FaultResult:
     window = int(took) + 10
     up0 = s.prom(f'min_over_time(up{{job="rollout"}}[{window}s])')
     draining = s.prom(f"max_over_time(rollout_draining[{window}s])")
-    return FaultResult("rollout SIGTERM (drain) while generating", took,
-                       seen=up0 == 0 or draining == 1,
-                       visible=f"min up{{job=rollout}}={up0}, max rollout_draining={draining}",
+    restarted = s.prom_sum("rollout_start_time_seconds", window, fn="changes")  # a drain may be too quick
+    return FaultResult("rollout SIGTERM (drain) while generating", took,  # for a 2 s scrape to see
+                       seen=up0 == 0 or draining == 1 or restarted > 0,
+                       visible=f"min up{{job=rollout}}={up0}, max rollout_draining={draining}, "
+                               f"rollout_start_time_seconds changes +{restarted:.0f}",
                        redone={"jobs_handed_back": handed, "tokens_regenerated": fleet[inflight.REGENERATED]},
                        detail=detail)
 

@@ -20,6 +20,7 @@ One function per check, each asserting and returning a line for the fault's repo
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import TYPE_CHECKING
 
 from tests.deploy.engine import run
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from tests.deploy.chaos import Stack
 
 REGENERATED = "rollout_tokens_regenerated_total"
+DISCARDED = "rollout_tokens_discarded_total"
 RESUMED_TOKENS = "rollout_tokens_resumed_total"
 RESUMED_SAMPLES = "rollout_samples_resumed_total"
 RESTARTED_SAMPLES = "rollout_samples_restarted_total"
@@ -37,7 +39,7 @@ PICKUPS = "rollout_handback_pickup_seconds_count"
 PICKUP_SUM = "rollout_handback_pickup_seconds_sum"
 PICKUP_BOUND_S = 10.0  # a histogram bucket bound, below the chaos stack's claim_idle_ms (15 s)
 PICKUPS_IN_BOUND = f'rollout_handback_pickup_seconds_bucket{{le="{PICKUP_BOUND_S}"}}'
-COUNTERS = (REGENERATED, RESUMED_TOKENS, RESUMED_SAMPLES, RESTARTED_SAMPLES, TAKEN_OVER, RECLAIMED,
+COUNTERS = (REGENERATED, DISCARDED, RESUMED_TOKENS, RESUMED_SAMPLES, RESTARTED_SAMPLES, TAKEN_OVER, RECLAIMED,
             PICKUPS, PICKUP_SUM, PICKUPS_IN_BOUND)
 
 # sums each name's series (a name with labels: that series only); absent metrics read 0
@@ -69,6 +71,39 @@ def fleet_delta(s: Stack, restarted: int, other: int, other_before: dict[str, fl
     return {k: now_restarted[k] + now_other[k] - other_before[k] for k in COUNTERS}
 
 
+def checkpointed_job_held(s: Stack, replica: str, stream: str = "retool:prompts",
+                          group: str = "rollout") -> str | None:
+    """A job that the rollout container ``replica`` holds (pending on its consumer, named
+    ``<hostname>-<pid>``) and that has a turn checkpoint of at least one sample in Redis (a meta
+    field ``m<i>``), read with redis-cli in the redis container; None when there is none. Call it
+    with the replica frozen (``docker pause``) so that what it reads cannot change under it."""
+    redis = s.container("redis")
+
+    def cli(*args: str) -> bytes:  # bytes: stream entries are msgpack
+        return subprocess.run(["docker", "exec", redis, "redis-cli", *args], capture_output=True, timeout=60,
+                              check=True).stdout
+
+    host = str(s.inspect(replica, ".Config.Hostname"))
+    consumers = json.loads(cli("--json", "XINFO", "CONSUMERS", stream, group) or b"[]")
+    mine = [c["name"] for c in consumers if str(c["name"]).startswith(host + "-") and int(c["pending"])]
+    ids = [row[0] for name in mine
+           for row in json.loads(cli("--json", "XPENDING", stream, group, "-", "+", "100", name) or b"[]")]
+    payloads = [cli("XRANGE", stream, i, i) for i in ids]
+    for key in cli("--scan", "--pattern", f"{stream}:ckpt:*").decode().split():
+        job_id = key.split(":ckpt:", 1)[1]
+        if any(job_id.encode() in p for p in payloads) and any(
+                f.startswith("m") for f in cli("HKEYS", key).decode().split()):
+            return job_id
+    return None
+
+
+def checkpoint_gone(s: Stack, job_id: str, stream: str = "retool:prompts") -> bool:
+    """The job's turn checkpoints are gone: deleted in the transaction that published its group."""
+    out = run(["docker", "exec", s.container("redis"), "redis-cli", "EXISTS", f"{stream}:ckpt:{job_id}"],
+              timeout=60).stdout
+    return out.strip() == "0"
+
+
 def handed_back_in_logs(container: str, since: int) -> int:
     """Jobs the replica in ``container`` logged as handed back since ``since`` (unix seconds)."""
     p = run(["docker", "logs", "--since", str(since), container], timeout=60, check=False)
@@ -90,13 +125,16 @@ def check_kill_regenerated(d: dict[str, float], max_turn_tokens: int) -> str:
     share = d[REGENERATED] / in_flight if in_flight else 0.0
     return (f"{samples:.0f} in-flight samples continued ({d[RESUMED_SAMPLES]:.0f} resumed, "
             f"{d[RESTARTED_SAMPLES]:.0f} restarted); {d[REGENERATED]:.0f} tokens regenerated = "
-            f"{share:.1%} of the {in_flight:.0f} in flight")
+            f"{share:.1%} of the {in_flight:.0f} in flight; {d[DISCARDED]:.0f} checkpointed tokens "
+            "discarded as stale (the tiny trainer's versions move faster than a re-claim)")
 
 
 def check_drain_regenerated_nothing(d: dict[str, float]) -> str:
     """SIGTERM (drain): the samples stopped at turn boundaries after their checkpoints: nothing redone."""
     assert d[REGENERATED] == 0, f"{d[REGENERATED]:.0f} tokens regenerated after a drain"
-    return f"0 tokens regenerated ({d[RESUMED_TOKENS]:.0f} resumed, {d[RESUMED_SAMPLES]:.0f} samples)"
+    return (f"0 tokens regenerated ({d[RESUMED_TOKENS]:.0f} resumed in {d[RESUMED_SAMPLES]:.0f} samples, "
+            f"{d[RESTARTED_SAMPLES]:.0f} samples restarted, {d[DISCARDED]:.0f} checkpointed tokens "
+            "discarded as stale)")
 
 
 def check_drain_pickup(d: dict[str, float], handed_back: int) -> str:

@@ -1,16 +1,19 @@
 """Chaos under a real Docker engine: every service killed mid-run, and nothing lost or trained twice.
 
-The CPU profile (``deploy/docker-compose.yml``) with two rollout replicas trains while seven faults
+The CPU profile (``deploy/docker-compose.yml``) with two rollout replicas trains while eight faults
 hit it, one at a time, each where it hurts (``tests/deploy/chaos.py`` says how each is injected):
 
-1. SIGKILL of a rollout replica while it generates (restarted by its policy);
+1. SIGKILL of a rollout replica while it holds a job with a turn checkpoint (restarted by its
+   policy; the job's samples continue, counted, ``tests/deploy/chaos_inflight.py``);
 2. SIGKILL of the sandbox with runs in flight;
 3. SIGKILL of the reward service while rollouts are graded;
 4. SIGKILL of the trainer while it writes a checkpoint (the half-written one is never resumed);
 5. SIGKILL of Redis (AOF everysec): clients ride out the restart, vanished jobs are re-issued;
 6. a rollout replica off the network for 30 s during weight pushes (skipped within
    ``weight_push_wait_s``, its jobs re-claimed, a full push once back);
-7. the sandbox container at its memory limit.
+7. the sandbox container at its memory limit;
+8. SIGTERM of a rollout replica while it generates (a drain: exit 0, its jobs handed back and
+   taken over, none re-claimed, no token regenerated).
 
 Then the run is finished (its step limit set a few steps ahead, the trainer restarted to read
 it) and checked: it reached its step count, the training ledger holds its invariant (every
@@ -36,7 +39,7 @@ FINAL_EXTRA_STEPS = 4
 
 @pytest.mark.timeout(3600)
 @pytest.mark.slow(reason="builds the image if no other deploy test did, then a compose stack "
-                  "trained under six faults", budget_s=3000)
+                  "trained under eight faults", budget_s=3000)
 def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(cpu_stack):
     phases = Phases()
     # the image, model and data and the bring-up, shared with the compose smoke test (which runs
@@ -76,6 +79,6 @@ def test_every_service_killed_mid_run_loses_nothing_and_trains_nothing_twice(cpu
     # the fresh start, the kill in the checkpoint, the final restart, and each restart an earlier test
     # made on this stack (the smoke test's, which checks the resume itself)
     assert len(report.resumes) == 3 + restarted_before
-    assert len(results) == len(chaos.FAULTS) == 7
+    assert len(results) == len(chaos.FAULTS) == 8
     for r in results:  # each fault showed in Prometheus
         assert r.seen, r

@@ -200,7 +200,9 @@ async def test_killed_replica_job_continues_from_the_last_turn_checkpoint(redis_
         assert sorted(b_engine.requests) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert obs.samples_restarted == {"stale": 2, "replay_mismatch": 0, "no_checkpoint": 0}
         assert obs.samples_resumed == 0
-        assert obs.tokens_regenerated == progress[0] + progress[1]
+        # the discarded checkpoints' tokens apart from those lost past them to the kill
+        assert obs.tokens_discarded == sum(kept_len.values())
+        assert obs.tokens_regenerated == sum(progress[i] - kept_len[i] for i in (0, 1))
     await sandbox.aclose()
     await client.aclose()
 

@@ -27,9 +27,10 @@ Invariants:
   replay to different outputs (``restarted{reason="replay_mismatch"}``, see ``loop.py``); a sample
   that a previous attempt had started (heartbeat progress) but never checkpointed restarts too
   (``restarted{reason="no_checkpoint"}``), so every sample of a dead replica that continues is counted.
-- ``tokens_regenerated`` = max(0, heartbeat progress - checkpointed length) per continued sample
-  (the whole progress for a restarted one): a lower bound, at heartbeat granularity (tokens
-  generated after the dead replica's last beat are not seen).
+- ``tokens_regenerated`` = max(0, heartbeat progress - checkpointed length) per continued or
+  restarted sample (the whole progress for one without a checkpoint): a lower bound, at heartbeat
+  granularity (tokens generated after the dead replica's last beat are not seen); the tokens of a
+  checkpoint that is not kept (stale, not replayable) are ``tokens_discarded``, counted apart.
 - The hash is deleted in the MULTI/EXEC that publishes the job's group (``publish_and_ack``).
 """
 
@@ -63,6 +64,7 @@ class CheckpointObserver:
         self.seconds_writing = 0.0
         self.tokens_resumed = 0
         self.tokens_regenerated = 0
+        self.tokens_discarded = 0
         self.samples_resumed = 0
         self.samples_restarted: dict[str, int] = dict.fromkeys(RESTART_REASONS, 0)
 
@@ -76,6 +78,9 @@ class CheckpointObserver:
 
     def restarted(self, reason: str) -> None:
         self.samples_restarted[reason] += 1
+
+    def discarded(self, tokens: int) -> None:
+        self.tokens_discarded += tokens
 
     def regenerated(self, tokens: int) -> None:
         self.tokens_regenerated += tokens
@@ -223,8 +228,15 @@ class JobCheckpoints:
         self.observer.regenerated(max(0, self.progress.get(index, 0) - len(ck.response_ids)))
 
     def restart(self, index: int, reason: str) -> None:
+        """Sample ``index`` restarts from its prompt: counted by ``reason``, with the tokens of a
+        checkpoint it does not keep (``discarded``: stale or not replayable, generated again by
+        choice) apart from the tokens the previous attempt had generated past its last checkpoint
+        (``regenerated``: lost to the fault)."""
         self.observer.restarted(reason)
-        self.observer.regenerated(self.progress.get(index, 0))
+        ck = self.saved.get(index)
+        kept = len(ck.response_ids) if ck is not None else 0
+        self.observer.discarded(kept)
+        self.observer.regenerated(max(0, self.progress.get(index, 0) - kept))
 
     # -- save ----------------------------------------------------------------------------------
     async def save(self, index: int, st: Any, finish: tuple[str, bool] | None = None, *,
