@@ -6,8 +6,10 @@ them against a real redis-server):
 - ``trainer`` may add prompt jobs (XADD on the prompts stream) and consume scored groups (read,
   acknowledge, delete, claim on the groups stream) and dead letters; it may XRANGE the prompts
   and groups streams (to find jobs lost with a Redis restart); it cannot add a group;
-- ``rollout`` may consume prompt jobs and add groups and dead letters; it cannot add a prompt job,
-  nor read the groups it wrote as a consumer;
+- ``rollout`` may consume prompt jobs and add groups and dead letters, and keep its turn
+  checkpoints (the hashes ``<prompts stream>:ckpt:<job>``: HSET, HGETALL, EXPIRE, DEL; see
+  services/rollout/agent/checkpoint.py); it cannot add a prompt job, nor read the groups it wrote
+  as a consumer;
 - ``health`` may only PING (the container health check);
 - both stream users may use only the stream commands the code sends (services/common/queue.py and
   the rollout worker), plus PING, SELECT and MULTI/EXEC (``publish_and_ack``); redis-py's CLIENT
@@ -28,6 +30,7 @@ COMMON = "+ping +multi +exec +discard +select"
 CONSUME = ("+xreadgroup +xack +xdel +xautoclaim +xclaim +xpending +xgroup|create +xgroup|delconsumer "
            "+xlen +xinfo|groups +xinfo|stream")
 OBSERVE = "+xlen +xinfo|groups +xinfo|stream"
+CHECKPOINTS = "+hset +hgetall +expire +del"  # the rollout's turn checkpoints, one hash per job
 
 
 def _hash(password: str) -> str:
@@ -51,6 +54,7 @@ def acl_file(passwords: dict[str, str], prompts: str = "retool:prompts",
          f"(~{prompts}* +xadd +xrange {OBSERVE}) (~{groups}* {CONSUME} +xrange) "
          f"(~{prompts}*:dead {CONSUME})"),
         (f"user rollout {base} {_hash(passwords['rollout'])} {COMMON} "
-         f"(~{prompts}* {CONSUME}) (~{groups}* ~{prompts}*:dead +xadd {OBSERVE})"),
+         f"(~{prompts}* {CONSUME}) (~{groups}* ~{prompts}*:dead +xadd {OBSERVE}) "
+         f"(~{prompts}*:ckpt:* {CHECKPOINTS})"),
     ]
     return "\n".join(lines) + "\n"

@@ -24,7 +24,6 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from services.common.metrics import MetricsRegistry
-from services.common.queue import CONNECTION_ERROR_HOOKS
 
 DROP_REASONS = ("stale", "duplicate", "filtered", "malformed", "dead_lettered")
 MISMATCH_KEYS = ("mismatch/abs_mean", "mismatch/abs_max", "mismatch/k3_kl", "mismatch/tis_capped_frac",
@@ -67,6 +66,10 @@ class TrainerExporter:
             "jobs_reissued_total", "Prompt jobs found in no Redis stream (lost with Redis) and pushed again")
         self.redis_errors = r.counter(
             "redis_connection_errors_total", "Redis commands that failed on the connection and were retried")
+
+        # lazy: the GPU check imports this module (via trainer/push.py) on machines without redis,
+        # whose optional imports (opentelemetry, cryptography) they lack too (test_gpu_wheels.py)
+        from services.common.queue import CONNECTION_ERROR_HOOKS
 
         CONNECTION_ERROR_HOOKS.append(self.redis_errors.inc)
         self.resumed_from = r.gauge("resumed_from_step",

@@ -148,7 +148,10 @@ async def test_redis_roles_get_what_their_code_needs_and_nothing_of_the_other_ro
         for call in (RedisStream(rollout, PROMPTS).add(b"forged prompt"),
                      RedisStream(trainer, GROUPS).add(b"forged group"),
                      RedisStream(trainer, "other:stream").add(b"x"),
-                     trainer.set("retool:prompts:x", "v"), rollout.get(GROUPS)):
+                     trainer.set("retool:prompts:x", "v"), rollout.get(GROUPS),
+                     # turn checkpoints: the rollout's hashes only, and only for the rollout
+                     trainer.hset(f"{PROMPTS}:ckpt:j", "m0", "x"), rollout.hset(f"{PROMPTS}:x", "m0", "x"),
+                     rollout.hset(f"{GROUPS}:ckpt:j", "m0", "x")):
             with pytest.raises(rexc.NoPermissionError):
                 await call
         for call in (trainer.flushall(), rollout.config_get("*"), trainer.keys("*"),
