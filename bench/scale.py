@@ -7,7 +7,8 @@ backward). Shapes: ``--prompts`` x 16 responses per step, prompts up to 2,048 to
 16,384 tokens, up to 8 tool turns (the recipe's, scaled down in prompt count only; ``--quick`` also
 shortens the reasoning so that CI finishes in minutes, and says so in its output).
 
-Reports (table on stdout, JSON in ``<out>/scale.json``):
+Reports (table on stdout, JSON in ``<out>/scale.json``, the figure in ``<out>/scale.png``:
+``bench/scale_figure.py``):
 - CPU-seconds per 1M tokens of each component's process tree (``/proc/<pid>/stat``: utime + stime of
   the live processes and cutime + cstime of the reaped ones), the rollout process minus the engine's
   own step work (``engine_cpu_s``, what vLLM's GPU work would be) also apart;
@@ -330,6 +331,9 @@ def report(args: argparse.Namespace, out: Path, wall: float, cpu0: dict[str, flo
                    "violations": ledger.violations[:5]},
     }
     (out / "scale.json").write_text(json.dumps(result, indent=2))
+    from bench.scale_figure import render
+
+    render(result, out / "scale.png")
     return result
 
 

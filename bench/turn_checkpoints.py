@@ -8,8 +8,11 @@ time would only dilute the overhead). Rounds alternate on/off (ABBA...) over the
 each round enqueues ``--jobs`` prompt jobs of ``--n`` samples and times until all groups are
 published.
 
-Reports tokens/s per mode, the throughput ratio off/on (the overhead), checkpoint bytes per response
-token, the share of the wall time spent writing checkpoints, and writes JSON with ``--json``.
+Every job is seeded, so every round generates the same responses: an on/off pair differs only by the
+checkpoints (``same_responses_each_round`` says whether that held). Reports tokens/s per mode, the
+throughput ratio on/off (the overhead) over all rounds and per pair with its median, checkpoint
+bytes per response token, the share of the wall time spent writing checkpoints, and writes JSON
+with ``--json``.
 
 Usage: ``python bench/turn_checkpoints.py --jobs 8 --n 16 --rounds 4``
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from services.chat.tool_result import ToolResult  # noqa: E402
 from services.common.queue import RedisStream, connect  # noqa: E402
 from services.common.redis_server import PrivateRedis  # noqa: E402
-from services.common.schemas import ChatMessage, Group, PromptJob  # noqa: E402
+from services.common.schemas import ChatMessage, Group, PromptJob, RolloutSampling  # noqa: E402
 from services.rollout.agent.checkpoint import CheckpointObserver  # noqa: E402
 from services.rollout.agent.loop import AgentLoop, AgentObserver  # noqa: E402
 from services.rollout.config import AgentConfig, RedisWorkerConfig  # noqa: E402
@@ -55,7 +59,10 @@ async def one_round(client: Any, agent: AgentLoop, args: argparse.Namespace, on:
     prompts, groups = RedisStream(client, prompts_stream, "rollout"), RedisStream(client, groups_stream)
     await prompts.ensure_group()
     for k in range(args.jobs):
-        job = PromptJob(messages=[ChatMessage(role="user", content=f"Problem #{k}: compute it.")], n=args.n)
+        # seeded: every round repeats the same responses (lengths, turns), so an on/off pair differs
+        # only by the checkpoints, not by the response-length tail of that round's draw
+        job = PromptJob(messages=[ChatMessage(role="user", content=f"Problem #{k}: compute it.")], n=args.n,
+                        sampling=RolloutSampling(seed=1000 * k))
         await prompts.add(job.to_msgpack())
     obs = BenchObserver()
     agent.observer = obs
@@ -116,12 +123,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     tps_on = sum(x["response_tokens"] for x in on_runs) / sum(x["wall_s"] for x in on_runs)
     tps_off = sum(x["response_tokens"] for x in off_runs) / sum(x["wall_s"] for x in off_runs)
     tokens_on = sum(x["response_tokens"] for x in on_runs)
+    pairs = [on_runs[i]["tokens_per_s"] / off_runs[i]["tokens_per_s"] for i in range(min(len(on_runs),
+                                                                                          len(off_runs)))]
     summary = {
         "jobs": args.jobs, "n": args.n, "rounds": args.rounds, "preset": args.preset,
         "mean_response_tokens": tokens_on / (len(on_runs) * args.jobs * args.n),
         "tokens_per_s_on": tps_on, "tokens_per_s_off": tps_off,
         "throughput_ratio_on_over_off": tps_on / tps_off,
         "overhead_pct": 100 * (1 - tps_on / tps_off),
+        "pair_ratios_on_over_off": [round(x, 4) for x in pairs],  # one per round (same responses)
+        "median_pair_overhead_pct": 100 * (1 - statistics.median(pairs)),
+        "same_responses_each_round": len({x["response_tokens"] for x in rounds}) == 1,
         "ckpt_bytes_per_token": sum(x["ckpt_bytes"] for x in on_runs) / tokens_on,
         # encoding + sends, summed over the jobs' writers (which overlap each other and generation)
         "ckpt_seconds_over_wall_pct": 100 * sum(x["ckpt_seconds"] for x in on_runs)

@@ -120,16 +120,18 @@ def connect(url: str, auth: RedisAuth | None = None, *, retries: int = REDIS_RET
     return aioredis.Redis.from_url(url, decode_responses=False, **kwargs, **_retry_kwargs(retries))
 
 
-def _id(raw: bytes | str) -> str:
+def entry_id(raw: bytes | str) -> str:
+    """A stream entry id as ``str``, whether the client decoded responses or not."""
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
-def _messages(entries: list) -> list[StreamMessage]:
+def stream_messages(entries: list) -> list[StreamMessage]:
+    """``(id, fields)`` pairs of XREAD/XCLAIM replies as messages; entries deleted while pending skipped."""
     out = []
     for raw_id, fields in entries:
         if not fields or FIELD not in fields:  # entry deleted while pending: nothing to deliver
             continue
-        out.append(StreamMessage(_id(raw_id), bytes(fields[FIELD])))
+        out.append(StreamMessage(entry_id(raw_id), bytes(fields[FIELD])))
     return out
 
 
@@ -159,7 +161,7 @@ class RedisStream:
     ) -> str:
         """XADD ``data`` (field ``d``) plus optional string fields (e.g. a dead-letter reason)."""
         fields = {FIELD: data, **{k.encode(): v.encode() for k, v in (extra or {}).items()}}
-        return _id(await self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
+        return entry_id(await self.client.xadd(self.stream, fields, maxlen=maxlen, approximate=True))
 
     async def read(
         self, consumer: str, *, count: int = 1, block_ms: int | None = None
@@ -168,7 +170,7 @@ class RedisStream:
         resp = await self.client.xreadgroup(
             self._need_group(), consumer, {self.stream: ">"}, count=count, block=block_ms
         )
-        return [m for _, entries in (resp or []) for m in _messages(entries)]
+        return [m for _, entries in (resp or []) for m in stream_messages(entries)]
 
     async def read_own_pending(
         self, consumer: str, *, count: int = 100, after: str = "0"
@@ -179,7 +181,7 @@ class RedisStream:
         passing the last id returned, until an empty page.
         """
         resp = await self.client.xreadgroup(self._need_group(), consumer, {self.stream: after}, count=count)
-        return [m for _, entries in (resp or []) for m in _messages(entries)]
+        return [m for _, entries in (resp or []) for m in stream_messages(entries)]
 
     async def ack(self, *ids: str, delete: bool = False) -> int:
         """XACK (and XDEL when ``delete``) the given entries; returns how many were pending."""
@@ -201,8 +203,8 @@ class RedisStream:
             resp = await self.client.xautoclaim(
                 self.stream, self._need_group(), consumer, min_idle_ms, start_id=start, count=count - len(out)
             )
-            nxt, entries = _id(resp[0]), resp[1]
-            out.extend(_messages(entries))
+            nxt, entries = entry_id(resp[0]), resp[1]
+            out.extend(stream_messages(entries))
             if nxt == "0-0":
                 break
             start = nxt
@@ -235,13 +237,13 @@ class RedisStream:
         """Entries not yet delivered to the group (Redis >= 7 reports it; else counted from XLEN)."""
         group = self._need_group()
         for info in await self.client.xinfo_groups(self.stream):
-            name = _id(info["name"])
+            name = entry_id(info["name"])
             if name == group:
                 lag = info.get("lag")
                 if lag is not None:
                     return int(lag)
                 # Redis < 7 (no lag, no entries-read): count what lies after the group's cursor
-                return await self.count_after(_id(info["last-delivered-id"]))
+                return await self.count_after(entry_id(info["last-delivered-id"]))
         raise ValueError(f"stream {self.stream!r} has no consumer group {group!r}")
 
     async def count_after(self, last_id: str, page: int = 1000) -> int:
@@ -253,7 +255,7 @@ class RedisStream:
             n += len(batch)
             if len(batch) < page:
                 return n
-            start = f"({_id(batch[-1][0])}"
+            start = f"({entry_id(batch[-1][0])}"
 
     async def backlog(self) -> int:
         """Work outstanding for the group: undelivered + delivered-but-unacknowledged entries."""
@@ -286,4 +288,4 @@ async def publish_and_ack(
         if delete_keys:
             pipe.delete(*delete_keys)
         res = await pipe.execute()
-    return _id(res[0])
+    return entry_id(res[0])

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from services.common.queue import RedisStream, StreamMessage, _id, _messages
+from services.common.queue import RedisStream, StreamMessage, entry_id, stream_messages
 
 HANDED_BACK = "handed-back"  # the consumer that holds handed-back entries until a replica takes them
 
@@ -47,8 +47,8 @@ async def hand_back(stream: RedisStream, consumer: str, claim_idle_ms: int, ids:
                                            consumername=consumer)
         if not rows:
             break
-        start = "(" + _id(rows[-1]["message_id"])
-        rows = [r for r in rows if _id(r["message_id"]) in wanted]
+        start = "(" + entry_id(rows[-1]["message_id"])
+        rows = [r for r in rows if entry_id(r["message_id"]) in wanted]
         if not rows:
             continue
         async with client.pipeline(transaction=True) as pipe:
@@ -57,7 +57,7 @@ async def hand_back(stream: RedisStream, consumer: str, claim_idle_ms: int, ids:
                             retrycount=max(int(row["times_delivered"]) - 1, 0), justid=True)
             await pipe.execute()
         moved += len(rows)
-        wanted -= {_id(r["message_id"]) for r in rows}
+        wanted -= {entry_id(r["message_id"]) for r in rows}
     return moved
 
 
@@ -69,8 +69,8 @@ async def take_handed_back(stream: RedisStream, consumer: str, claim_idle_ms: in
                                        consumername=HANDED_BACK)
     if not rows:
         return []
-    idle = {_id(r["message_id"]): int(r["time_since_delivered"]) for r in rows}
-    deliveries = {_id(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}  # + this claim
+    idle = {entry_id(r["message_id"]): int(r["time_since_delivered"]) for r in rows}
+    deliveries = {entry_id(r["message_id"]): int(r["times_delivered"]) + 1 for r in rows}  # + this claim
     entries = await client.xclaim(stream.stream, group, consumer, claim_idle_ms, list(idle))
     return [Pickup(StreamMessage(m.id, m.data, deliveries[m.id]),
-                   max(idle[m.id] - claim_idle_ms, 0) / 1000) for m in _messages(entries or [])]
+                   max(idle[m.id] - claim_idle_ms, 0) / 1000) for m in stream_messages(entries or [])]

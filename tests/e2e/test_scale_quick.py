@@ -30,5 +30,6 @@ def test_scale_quick_runs_clean_and_nothing_is_lost(tmp_path):
     assert report["ledger"]["ok"] and report["ledger"]["trained_groups"] == 2
     assert report["wire_groups"] >= 2 and report["generated_tokens"] > 0
     assert report["sandbox_calls"] > 0  # the scripted code blocks reached the real sandbox
+    assert (out / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the figure of where time goes
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m.get("step_mode=null") == 1.0 for m in metrics if "perf/step_seconds" in m)

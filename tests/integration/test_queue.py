@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from services.common.queue import RedisStream, _id, connect, publish_and_ack
+from services.common.queue import RedisStream, connect, entry_id, publish_and_ack
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +44,7 @@ async def test_add_read_ack_and_counters(redis_server) -> None:
     # Redis < 7's path (no lag in XINFO), run on this server: agrees with its own lag, although
     # job-0 was acknowledged without being deleted (XLEN - entries-read would count it)
     await q.add(b"job-5")
-    cursor = next(_id(i["last-delivered-id"]) for i in await client.xinfo_groups("jobs"))
+    cursor = next(entry_id(i["last-delivered-id"]) for i in await client.xinfo_groups("jobs"))
     assert await q.count_after(cursor, page=2) == await q.lag() == 3
     # a restart under the same consumer name sees its own unacknowledged entry again
     assert [m.data for m in await q.read_own_pending("c1")] == [b"job-2"]
