@@ -4,7 +4,8 @@ Two panels, both from the report's own figures (nothing is re-measured here):
 - left, **per step (wall seconds)**: the step, the engine's generation (time some sequence could
   run), the tools (sum over trajectories: calls overlap each other and generation), the trainer's
   packing and the weight push; the bars are not stacked because the phases overlap (a step with
-  ``max_staleness`` >= 1 generates the next batch while it trains);
+  ``max_staleness`` >= 1 generates the next batch while it trains), on a log scale (packing and the
+  push take milliseconds beside minutes of generation);
 - right, **CPU-seconds per 1M generated tokens** of each component's process tree, the rollout
   process minus the engine's own step work beside it (what a GPU engine would do instead).
 
@@ -37,7 +38,8 @@ def render(report: dict[str, Any], path: Path) -> Path:
     names = list(per_step)
     left.barh(names, [per_step[n] for n in names], color="#4c72b0")
     left.invert_yaxis()
-    left.set_xlabel("seconds per step (phases overlap: not stacked)")
+    left.set_xscale("log")  # packing and the push are milliseconds beside minutes of generation
+    left.set_xlabel("seconds per step, log scale (phases overlap: not stacked)")
     left.set_title("where a step's time goes")
     for i, n in enumerate(names):
         left.text(per_step[n], i, f" {per_step[n]:g}", va="center", fontsize=8)
@@ -46,7 +48,7 @@ def render(report: dict[str, Any], path: Path) -> Path:
     right.barh(comps, [cpu[k] for k in comps], color=colors)
     right.invert_yaxis()
     right.set_xlabel("CPU-seconds per 1M generated tokens")
-    right.set_title("where the CPU goes (orange: ours, engine work taken out)")
+    right.set_title("where the CPU goes (orange: the rollout's own)")
     for i, k in enumerate(comps):
         right.text(cpu[k], i, f" {cpu[k]:g}", va="center", fontsize=8)
     idle = report.get("engine_idle_fraction")
