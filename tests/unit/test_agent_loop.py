@@ -14,7 +14,7 @@ import pytest
 from services.chat.tool_result import ToolResult
 from services.common.process import free_port
 from services.common.schemas import RolloutSampling, Trajectory
-from services.rollout.agent.loop import AgentLoop
+from services.rollout.agent.loop import AgentLoop, splits_a_stop
 from services.rollout.agent.sandbox import SandboxTool
 from services.rollout.config import AgentConfig
 from services.transport.sandbox.client import SandboxClient, SandboxUnavailable
@@ -255,3 +255,15 @@ async def test_per_call_errors_and_the_first_code_position() -> None:
     none, _, _ = _loop(["<answer>4</answer>"])
     direct = await none.run_one(none.build_prompt(MESSAGES))
     assert (direct.tool_call_errors, direct.first_code_token) == ([], None)
+
+
+def test_splits_a_stop() -> None:
+    """A mid-turn checkpoint (at a weight swap) is never taken where the turn so far ends with a
+    proper prefix of a stop string or an incomplete character: the continuation would miss the stop."""
+    stops = ["</code>", "</answer>"]
+    for text in ("x <", "x </", "x </co", "x </code", "x </ans", "x </answe"):
+        assert splits_a_stop(text, stops), text
+    for text in ("", "x", "x </code>", "x </answer>", "x </ ", "x </c!", "x < y", "x </coder"):
+        assert not splits_a_stop(text, stops), text
+    assert splits_a_stop("x \ufffd", stops)  # a token holding part of a character: wait for the rest
+    assert not splits_a_stop("x <code>", ["</tool_call>"])

@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from services.rollout.agent.checkpoint import SampleCheckpoint, decode_segment, encode_segment
+from services.rollout.agent.checkpoint import SampleCheckpoint, _load_sample, decode_segment, encode_segment
 
 
 def _segment(n_gen: int, n_tool: int, first_id: int) -> tuple[list[int], list[int], list[float], list[int]]:
@@ -53,3 +53,17 @@ def test_damaged_segment_is_refused_naming_the_field() -> None:
 def test_oldest_version_ignores_interpreter_tokens() -> None:
     assert SampleCheckpoint(versions=[-1, 7, 5, -1, 6]).oldest_version() == 5
     assert SampleCheckpoint(versions=[-1]).oldest_version() is None
+
+
+def _meta(**extra: object) -> bytes:
+    return msgpack.packb({"segments": ["0:w:0"], "length": 12, "turns": 1, "tool_calls": 1, "tool_errors": 0,
+                          "tool_call_errors": [False], "first_code_token": 3, "finish": None, **extra})
+
+
+def test_meta_turn_start_absent_means_a_turn_boundary_and_is_checked() -> None:
+    fields = {b"0:w:0": encode_segment(*_segment(10, 2, 9), [])}
+    assert _load_sample(_meta(), fields).turn_start is None  # written before the field existed
+    assert _load_sample(_meta(turn_start=None), fields).turn_start is None
+    assert _load_sample(_meta(turn_start=4), fields).turn_start == 4  # mid-turn: the open turn's start
+    with pytest.raises(ValueError, match="turn_start 13 is outside its 12 tokens"):
+        _load_sample(_meta(turn_start=13), fields)

@@ -1,5 +1,12 @@
 """Turn checkpoints: a sample's state in Redis at each turn boundary, so another replica continues it.
 
+A turn boundary is the point after the interpreter's output was appended, or after a weight swap:
+an engine swaps weights between two tokens of a turn, and the loop checkpoints the turn so far at
+the first chunk boundary after the swap that does not cut a stop string (``loop.py``). Such a
+mid-turn checkpoint records where its open turn started (``turn_start``), so that the sample that
+continues it parses the whole turn's tool call; a meta without ``turn_start`` (written before the
+field existed) is at a turn boundary.
+
 Layout: one Redis hash per job, ``<prompts stream>:ckpt:<job_id>``, with a TTL (``checkpoint_ttl_s``,
 refreshed by every write) so the state of an abandoned job expires. Per sample ``i``:
 - ``<i>:<writer>:<k>``: segment ``k`` of writer ``writer`` (a random id per job attempt): the tokens
@@ -7,7 +14,9 @@ refreshed by every write) so the state of an abandoned job expires. Per sample `
   (``group_wire``: packed ids, run-length versions, float32 log-probs of the generated tokens only;
   the loss mask is implied by version -1) plus the sandbox session cells run since then;
 - ``m<i>``: the sample's meta (msgpack): the segment field names in order, the length they hold,
-  the turn and tool counters, and for a finished sample its finish reason;
+  the turn and tool counters, for a mid-turn checkpoint the response offset where its open turn
+  started (``turn_start``; absent or nil at a turn boundary), and for a finished sample its finish
+  reason;
 - ``p<i>``: the sample's response length as last reported by the worker's heartbeat.
 
 Invariants:
@@ -21,10 +30,12 @@ Invariants:
   linear in the response length. A replica presumed dead that still writes never corrupts another
   replica's lineage: segment names carry the writer's id and the meta lists exactly its lineage.
 - A sample resumed from a checkpoint keeps its tokens, log-probs (rounded to float32, as the wire
-  does) and per-token versions exactly; only what came after the checkpoint is generated again.
-- A checkpoint is not resumed when its oldest generated token is more than ``max_staleness``
-  versions behind the engine's weights (``restarted{reason="stale"}``), nor when its session cells
-  replay to different outputs (``restarted{reason="replay_mismatch"}``, see ``loop.py``); a sample
+  does) and per-token versions exactly; only what came after the checkpoint is generated again
+  (from a mid-turn checkpoint: the rest of its open turn, asked for as a continuation).
+- A checkpoint (mid-turn or not) is not resumed when its oldest generated token is more than
+  ``max_staleness`` versions behind the engine's weights (``restarted{reason="stale"}``), nor when
+  its session cells replay to different outputs (``restarted{reason="replay_mismatch"}``, see
+  ``loop.py``); a sample
   that a previous attempt had started (heartbeat progress) but never checkpointed restarts too
   (``restarted{reason="no_checkpoint"}``), so every sample of a dead replica that continues is counted.
 - ``tokens_regenerated`` = max(0, heartbeat progress - checkpointed length) per continued or
@@ -141,6 +152,7 @@ class SampleCheckpoint:
     first_code_token: int | None = None
     cells: list[tuple[str, str]] = field(default_factory=list)
     finish: tuple[str, bool] | None = None  # (finish reason, truncated) of a finished sample
+    turn_start: int | None = None  # mid-turn (a weight swap): where the open turn starts; None: boundary
     segments: list[str] = field(default_factory=list)
 
     def oldest_version(self) -> int | None:
@@ -156,6 +168,7 @@ def _load_sample(meta_raw: bytes, fields: dict[bytes, bytes]) -> SampleCheckpoin
                           first_code_token=meta.get("first_code_token"),
                           finish=None if meta.get("finish") is None else (str(meta["finish"][0]),
                                                                            bool(meta["finish"][1])),
+                          turn_start=None if meta.get("turn_start") is None else int(meta["turn_start"]),
                           segments=[str(s) for s in meta["segments"]])
     for name in ck.segments:
         raw = fields.get(name.encode())
@@ -169,11 +182,15 @@ def _load_sample(meta_raw: bytes, fields: dict[bytes, bytes]) -> SampleCheckpoin
         ck.cells += cells
     if len(ck.response_ids) != int(meta["length"]):
         raise ValueError(f"checkpoint holds {len(ck.response_ids)} tokens, its meta says {meta['length']}")
+    n = len(ck.response_ids)
+    if ck.turn_start is not None and not 0 <= ck.turn_start <= n:
+        raise ValueError(f"checkpoint turn_start {ck.turn_start} is outside its {n} tokens")
     return ck
 
 
 class JobCheckpoints:
-    """The checkpoints of one job on one replica: load once at the start, save at turn boundaries."""
+    """The checkpoints of one job on one replica: load once at the start, save at turn boundaries
+    (``st.turn_start``, not None for a mid-turn save, is recorded as the open turn's start)."""
 
     def __init__(self, client: Any, key: str, *, ttl_s: int, max_staleness: int,
                  observer: CheckpointObserver | None = None) -> None:
@@ -257,6 +274,7 @@ class JobCheckpoints:
             "segments": lineage, "length": end, "turns": st.turns, "tool_calls": st.tool_calls,
             "tool_errors": st.tool_errors, "tool_call_errors": st.tool_call_errors,
             "first_code_token": st.first_code_token, "finish": None if finish is None else list(finish),
+            "turn_start": st.turn_start,
         }, use_bin_type=True)
         self._saved_len[index], self._saved_cells[index] = end, len(st.cells)
         self._buffer.update(out)

@@ -21,12 +21,22 @@ Semantics (one response = one trajectory):
   also capped by the engine's context (``engine.max_context - 1 - len(prompt)``) when it has one;
 - with ``tool_session: persistent`` the calls of one response run in one live sandbox session,
   opened at its first call and closed when the response ends (also on error or cancellation);
-- with ``sampling.seed`` set, sample ``i`` turn ``t`` uses seed ``seed + i + 1_000_003 * t``;
+- with ``sampling.seed`` set, sample ``i`` turn ``t`` uses seed ``seed + i + 1_000_003 * t``; a turn
+  continued from a mid-turn checkpoint is asked for again with its turn's seed (on a longer
+  context: a fresh draw of the rest, not a replay of the tokens lost);
 - with ``checkpoints`` (the Redis worker), the state is checkpointed at each turn boundary (after
-  the interpreter's output was appended) and when the response ends (``checkpoint.py``); a sample
+  the interpreter's output was appended), after a weight swap within a turn, and when the response
+  ends (``checkpoint.py``). A swap is a chunk holding a version newer than the turn's previous
+  generated token (versions never decrease within a stream); its checkpoint is taken at the end of
+  that chunk, or of the first later one whose turn text so far does not end with a proper prefix
+  of a stop string or an incomplete character (``splits_a_stop``: the continuation's stop matcher
+  sees only its own tokens), and not at all when the turn ends first (its boundary or final
+  checkpoint follows). A mid-turn checkpoint records its open turn's start, so the sample that
+  continues it generates the rest of that turn and parses the whole turn's tool call. A sample
   with a checkpoint continues from it (persistent sessions are rebuilt by replaying their cells,
   which must answer as recorded, else the sample restarts from its prompt); while ``draining`` is
-  set, a checkpointed sample stops at its next turn boundary with ``SampleDrained``;
+  set, a checkpointed sample stops at its next turn boundary after an interpreter output (never
+  mid-turn, also not one resumed mid-turn) with ``SampleDrained``;
 - when the response ends and a ground truth is known, it is scored by the reward service with the
   number of tool calls; the scored text is decoded with ``skip_special_tokens=True`` (no EOS or
   chat markers), while ``response_text`` is the plain decode of ``response_ids``.
@@ -113,6 +123,7 @@ class _State:
     tool_errors: int = 0
     tool_call_errors: list[bool] = field(default_factory=list)
     first_code_token: int | None = None
+    turn_start: int | None = None  # while a turn is generated: where it starts; None between turns
     session_id: str | None = None  # tool_session persistent: opened at the first tool call
     cells: list[tuple[str, str]] = field(default_factory=list)  # persistent: (code, output) run in it
 
@@ -131,6 +142,13 @@ class _State:
         self.loss_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([-1] * len(ids))
+
+
+def splits_a_stop(text: str, stops: list[str]) -> bool:
+    """Whether a cut after ``text`` could split a stop string: ``text`` ends with a proper prefix of
+    one (``</co`` of ``</code>``) or with an incomplete character (a byte-level token holding part of
+    a UTF-8 sequence decodes to U+FFFD). A turn continued from such a cut would miss that stop."""
+    return text.endswith("\ufffd") or any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
 
 
 class AgentLoop:
@@ -215,7 +233,8 @@ class AgentLoop:
         if ck is None:
             return _State(), None
         st = _State(ck.response_ids, ck.loss_mask, ck.logprobs, ck.versions, ck.turns, ck.tool_calls,
-                    ck.tool_errors, ck.tool_call_errors, ck.first_code_token, cells=list(ck.cells))
+                    ck.tool_errors, ck.tool_call_errors, ck.first_code_token, turn_start=ck.turn_start,
+                    cells=list(ck.cells))
         if ck.cells and ck.finish is None and not await self._replay(st, ck):
             checkpoints.restart(index, "replay_mismatch")
             return _State(), None
@@ -247,7 +266,8 @@ class AgentLoop:
         finish: str
         truncated = False
         while True:
-            if checkpoints is not None and self.draining.is_set():  # a turn boundary, checkpointed
+            # a turn boundary, checkpointed (not a turn resumed from a mid-turn checkpoint)
+            if checkpoints is not None and self.draining.is_set() and st.turn_start is None:
                 await checkpoints.flush()
                 raise SampleDrained(f"{request_id}-{index}: drained after {st.turns} turns")
             remaining = budget - len(st.response_ids)
@@ -262,14 +282,20 @@ class AgentLoop:
                 seed=None if seed is None else seed + 1_000_003 * st.turns,  # a fresh stream per turn
                 n=1,
             )
-            turn_start = len(st.response_ids)
+            gen_start = len(st.response_ids)
+            turn_start = st.turn_start = gen_start if st.turn_start is None else st.turn_start
             reason, stop_str = None, None
+            swapped = False  # a weight swap in this turn not checkpointed yet
             try:
                 async for chunk in self.engine.generate(
                     prompt_ids + st.response_ids, params, f"{request_id}-{index}-t{st.turns}"
                 ):
                     if chunk.token_ids:
+                        before = len(st.response_ids)
                         st.add_generated(chunk.token_ids, chunk.logprobs, chunk.versions)
+                        # newer than the turn's previous token (or, first in the turn, the chunk's first)
+                        ref = st.versions[before - 1 if before > turn_start else before]
+                        swapped = swapped or st.versions[-1] > ref
                         if on_event is not None:
                             await on_event(
                                 {
@@ -281,8 +307,12 @@ class AgentLoop:
                             )
                     if chunk.finished:
                         reason, stop_str = chunk.finish_reason, chunk.stop_str
+                    elif swapped and checkpoints is not None and not self._splits_stop(st, stops):
+                        swapped = False
+                        await checkpoints.save(index, st)  # mid-turn: records st.turn_start
             finally:  # counted once per turn, not per chunk (a lock per chunk showed in the profile)
-                self.observer.tokens_generated(len(st.response_ids) - turn_start)
+                self.observer.tokens_generated(len(st.response_ids) - gen_start)
+            st.turn_start = None
             st.turns += 1
             if reason == "stop" and stop_str == self.cfg.tool_stop:
                 if st.tool_calls >= max_turns:
@@ -316,6 +346,13 @@ class AgentLoop:
                 finish = "abort"
             break
         return finish, truncated
+
+    def _splits_stop(self, st: _State, stops: list[str]) -> bool:
+        """Whether the open turn so far ends inside a stop string (``splits_a_stop``); decodes only
+        its last tokens: at most one token per byte of the longest stop (each token holds a byte)."""
+        assert st.turn_start is not None
+        tail = max(st.turn_start, len(st.response_ids) - max(len(s.encode()) for s in stops))
+        return splits_a_stop(self.tokenizer.decode(st.response_ids[tail:]), stops)
 
     def _open_tag_offset(self, turn_ids: list[int], turn_text: str) -> int:
         """Tokens of the turn before the one where the call's last opening tag (``<code>``) starts;
