@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -26,11 +27,13 @@ from services.rollout.weights.server import start_weight_server
 from services.transport.weights.auth import TOKEN_METADATA_KEY
 from services.transport.weights.bucketing import iter_chunks
 from services.transport.weights.client import (
+    STALLED,
     WeightPushError,
     get_version,
     iter_checkpoint,
     push_checkpoint_async,
     push_state_dict_async,
+    stall_limit,
 )
 from tests.helpers.tiny_model import tiny_model_dir
 from tests.helpers.weight_replica import greedy, greedy_of, hf_replica, same, snapshot
@@ -293,6 +296,31 @@ async def test_push_to_two_replicas_and_generation_continues_across_the_swap(dir
             await s.stop(None)
         for e in engines:
             await e.shutdown()
+
+
+async def test_a_frozen_replica_is_dropped_from_the_fan_out_and_the_others_take_the_push(replica, dirs):
+    """A replica that stops reading (``docker pause``: the kernel still completes the TCP handshake,
+    nothing answers) must not hold the push to the others until the deadline: it is dropped as
+    STALLED and the healthy replica takes the version (the chaos test's kill fault found this)."""
+    engine, target, _ = replica
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # never accepted, never read: a paused process
+    try:
+        dead = f"127.0.0.1:{frozen.getsockname()[1]}"
+        with pytest.raises(WeightPushError) as info:
+            await push_checkpoint_async(dirs[1], [target, dead], TOKEN, version=3, bucket_bytes=64 << 10,
+                                        timeout_s=30)
+    finally:
+        frozen.close()
+    results = info.value.results
+    assert results[target] == "ok", results  # before the fix: DEADLINE_EXCEEDED on both
+    assert results[dead].startswith(STALLED) and "took no bucket for 10 s" in results[dead], results
+    assert engine.version == 3 and await greedy(engine) == await greedy_of(dirs[1])
+
+
+def test_stall_limit_is_a_third_of_the_deadline_at_most():
+    assert stall_limit(None) == 30.0 and stall_limit(300) == 30.0 and stall_limit(9) == 3.0
 
 
 def test_standalone_replica_process_receives_a_checkpoint(dirs, tmp_path):

@@ -7,6 +7,11 @@ Invariants:
   mid-stream (their weights stay unchanged — the server applies only complete pushes) and a
   ``WeightPushError`` lists each target's outcome; targets that had already finished keep the
   new weights, so the caller retries the whole push (pushes are idempotent per version);
+- a target that stalls (a frozen or partitioned replica: its queue stays full, no bucket taken for
+  ``stall_s``) is dropped from the fan-out with the result ``STALLED: ...`` and the others go on at
+  their own pace: one frozen replica must not hold every other one until the deadline (found by
+  the chaos test: a ``docker pause``d replica made a full push time out on both replicas and the
+  trainer stopped). Only with two or more targets; a lone target has the whole deadline;
 - the token travels only in the gRPC metadata, never in logs or error messages; with a
   ``ChannelSecurity`` (``tls.py``) every channel is TLS (optionally mutual), never plain text;
 - ``kind`` makes it a delta push (``PushKind(delta=True, base_version, lineage)``, tensors are
@@ -46,6 +51,14 @@ from services.transport.weights.tls import ChannelSecurity, open_channel
 
 CHANNEL_OPTIONS = GRPC_BULK_OPTIONS
 QUEUE_DEPTH = 4
+STALLED = "STALLED"  # result prefix of a target dropped from a fan-out for taking no bucket in stall_s
+DEFAULT_STALL_S = 30.0
+
+
+def stall_limit(timeout_s: float | None) -> float:
+    """How long one target may take no bucket while the others wait: 30 s, or a third of the push's
+    deadline when that is shorter (so a stalled target is dropped well before the others time out)."""
+    return DEFAULT_STALL_S if timeout_s is None else min(DEFAULT_STALL_S, timeout_s / 3)
 PUSH_METHOD = "/retool.v1.WeightService/PushWeights"
 
 
@@ -104,26 +117,45 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
                                 targets: list[str], version: int, token: str,
                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float | None = None,
                                 kind: PushKind = PushKind(),
-                                security: ChannelSecurity | None = None) -> PushReport:
-    """Push ``named_tensors`` to every ``host:port`` in ``targets``; all are complete on return."""
+                                security: ChannelSecurity | None = None,
+                                stall_s: float | None = None) -> PushReport:
+    """Push ``named_tensors`` to every ``host:port`` in ``targets``; all are complete on return.
+    ``stall_s`` (default ``stall_limit(timeout_s)``): see the module's invariants."""
     if not targets:
         raise ValueError("targets: at least one host:port is required")
     if version < 0:
         raise ValueError("version: must be >= 0")
+    if stall_s is not None and stall_s <= 0:
+        raise ValueError(f"stall_s: must be > 0 (or None), got {stall_s}")
     keep_freed_buffers()
     queues: dict[str, asyncio.Queue[bytes | None]] = {t: asyncio.Queue(QUEUE_DEPTH) for t in targets}
     stats = {"tensors": 0, "bytes": 0}
+    stall = stall_s if stall_s is not None else stall_limit(timeout_s)
+    stalled: dict[str, str] = {}  # target -> why it was dropped from the fan-out
     start = time.perf_counter()
+
+    async def put(target: str, message: bytes | None) -> None:
+        if target in stalled:
+            return
+        if len(targets) == 1:
+            await queues[target].put(message)
+            return
+        try:
+            await asyncio.wait_for(queues[target].put(message), stall)
+        except TimeoutError:
+            stalled[target] = (f"{STALLED}: took no bucket for {stall:g} s while {len(targets) - 1} "
+                               "other target(s) waited; dropped from this push")
+            tasks[target].cancel()
 
     async def produce() -> None:
         for bucket in iter_buckets(named_tensors, version, bucket_bytes, kind):
             if bucket.header.last:
                 stats["tensors"], stats["bytes"] = bucket.header.total_tensors, bucket.header.total_bytes
             message = bucket.encode()
-            for q in queues.values():
-                await q.put(message)
-        for q in queues.values():
-            await q.put(None)
+            for t in targets:
+                await put(t, message)
+        for t in targets:
+            await put(t, None)
 
     producer = asyncio.create_task(produce())
     tasks = {t: asyncio.create_task(_push_one(t, queues[t], token, timeout_s, security)) for t in targets}
@@ -143,7 +175,10 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
     replies: dict[str, dict[str, float]] = {}
     errors: dict[str, BaseException] = {}
     for target, task in tasks.items():
-        if task.cancelled():
+        if target in stalled:
+            results[target] = stalled[target]
+            errors[target] = TimeoutError(stalled[target])
+        elif task.cancelled():
             results[target] = "cancelled (another target failed)"
         elif (exc := task.exception()) is not None:
             results[target] = _describe(exc)
