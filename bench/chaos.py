@@ -7,7 +7,9 @@ The faults are those of ``tests/deploy/test_chaos.py`` (``tests/deploy/chaos.py`
 (``--seed``) one at a time, each after a random pause of up to ``--max-gap-s``; each is waited out
 (recovered, trainer stepping) before the next. At the end the run is finished a few steps ahead
 and checked. Reported (text and ``--json``): faults injected, recoveries, groups regenerated
-(re-claimed by a replica, jobs re-issued), steps repeated, the maximum recovery time and the
+(re-claimed by a replica, jobs re-issued), tokens regenerated after each rollout kill and drain
+(asserted: at most one turn per in-flight sample after a kill, none after a drain), jobs handed
+back by drains, steps repeated, the maximum recovery time and the
 training ledger's check. Exit status 1 when a fault did not recover or the ledger is broken.
 """
 
@@ -80,6 +82,12 @@ def main() -> int:
         "groups_regenerated": sum(r.redone.get("groups_reclaimed", 0) + r.redone.get("jobs_reissued", 0)
                                   + r.redone.get("jobs_failed_and_retried", 0) for r in results),
         "steps_repeated": sum(r.redone.get("steps_repeated", 0) for r in results),
+        # work in flight (issue 36): tokens generated again after a rollout kill or drain, by fault
+        # (the kill's "at most one turn per sample" and the drain's zero are asserted by the fault)
+        "tokens_regenerated_by_fault": {
+            f: sum(r.redone.get("tokens_regenerated", 0) for r in results if r.fault == f)
+            for f in sorted({r.fault for r in results if "tokens_regenerated" in r.redone})},
+        "jobs_handed_back": sum(r.redone.get("jobs_handed_back", 0) for r in results),
         "max_recovery_s": round(max((r.recover_s for r in results), default=0.0), 1),
         "not_seen_in_prometheus": [r.fault for r in results if not r.seen],
         "unexpected_trainer_restarts": sum(r.trainer_restarts for r in results
