@@ -583,6 +583,11 @@ def inject(s: Stack, fault: Callable[[Stack], FaultResult]) -> FaultResult:
     r0 = s.restarts(trainer)
     r = fault(s)
     r.trainer_restarts = s.restarts(trainer) - r0
+    if r.trainer_restarts and not fault.__name__.startswith("kill_trainer"):
+        # an unplanned trainer restart: keep why it stopped (the stack is gone by the report)
+        lines = s.c.logs("trainer-cpu", 1500).splitlines()
+        why = [x for x in lines if any(k in x for k in ("Error", "error", "Traceback", "failed", "warning"))]
+        r.detail += "\ntrainer log before the restart (errors and warnings):\n" + "\n".join(why[-60:])
     return r
 
 

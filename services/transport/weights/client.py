@@ -8,10 +8,12 @@ Invariants:
   ``WeightPushError`` lists each target's outcome; targets that had already finished keep the
   new weights, so the caller retries the whole push (pushes are idempotent per version);
 - a target that stalls (a frozen or partitioned replica: its queue stays full, no bucket taken for
-  ``stall_s``) is dropped from the fan-out with the result ``STALLED: ...`` and the others go on at
-  their own pace: one frozen replica must not hold every other one until the deadline (found by
-  the chaos test: a ``docker pause``d replica made a full push time out on both replicas and the
-  trainer stopped). Only with two or more targets; a lone target has the whole deadline;
+  ``stall_s``) while another target keeps up (took a bucket in that time, or all it was given) is
+  dropped from the fan-out with the
+  result ``STALLED: ...`` and the others go on at their own pace: one frozen replica must not hold
+  every other one until the deadline (found by the chaos test: a ``docker pause``d replica made a
+  full push time out on both replicas and the trainer stopped). When no target moved (a slow
+  machine), nobody is dropped; a lone target always has the whole deadline;
 - the token travels only in the gRPC metadata, never in logs or error messages; with a
   ``ChannelSecurity`` (``tls.py``) every channel is TLS (optionally mutual), never plain text;
 - ``kind`` makes it a delta push (``PushKind(delta=True, base_version, lineage)``, tensors are
@@ -101,9 +103,13 @@ def is_stale_base(exc: BaseException) -> bool:
 
 
 async def _push_one(target: str, queue: asyncio.Queue[bytes | None], token: str,
-                    timeout_s: float | None, security: ChannelSecurity | None) -> pb.PushReply:
+                    timeout_s: float | None, security: ChannelSecurity | None,
+                    taken: dict[str, float] | None = None) -> pb.PushReply:
+    """One target's stream; ``taken[target]`` is the time gRPC last pulled a bucket (its progress)."""
     async def requests() -> AsyncIterator[bytes]:
         while (chunk := await queue.get()) is not None:
+            if taken is not None:
+                taken[target] = time.monotonic()
             yield chunk
 
     async with open_channel(target, security, CHANNEL_OPTIONS) as channel:
@@ -132,20 +138,27 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
     stats = {"tensors": 0, "bytes": 0}
     stall = stall_s if stall_s is not None else stall_limit(timeout_s)
     stalled: dict[str, str] = {}  # target -> why it was dropped from the fan-out
+    taken = dict.fromkeys(targets, time.monotonic())  # target -> when it last took a bucket
     start = time.perf_counter()
 
     async def put(target: str, message: bytes | None) -> None:
-        if target in stalled:
-            return
-        if len(targets) == 1:
-            await queues[target].put(message)
-            return
-        try:
-            await asyncio.wait_for(queues[target].put(message), stall)
-        except TimeoutError:
-            stalled[target] = (f"{STALLED}: took no bucket for {stall:g} s while {len(targets) - 1} "
-                               "other target(s) waited; dropped from this push")
-            tasks[target].cancel()
+        """Queue ``message`` for ``target``. A target that takes nothing for ``stall`` while another
+        one keeps up (took a bucket in that time, or everything queued for it) is the straggler:
+        dropped. When none moved (a slow machine or
+        network, not one frozen replica) the fan-out keeps waiting: only the deadline ends it."""
+        while target not in stalled:
+            try:
+                await asyncio.wait_for(queues[target].put(message), stall)
+                return
+            except TimeoutError:
+                now = time.monotonic()
+                # another target keeps up: it took a bucket lately, or took all it was given
+                moving = [t for t in targets if t != target and t not in stalled
+                          and (now - taken[t] < stall or queues[t].empty())]
+                if moving:
+                    stalled[target] = (f"{STALLED}: took no bucket for {stall:g} s while {len(moving)} other "
+                                       "target(s) did; dropped from this push")
+                    tasks[target].cancel()
 
     async def produce() -> None:
         for bucket in iter_buckets(named_tensors, version, bucket_bytes, kind):
@@ -158,7 +171,8 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
             await put(t, None)
 
     producer = asyncio.create_task(produce())
-    tasks = {t: asyncio.create_task(_push_one(t, queues[t], token, timeout_s, security)) for t in targets}
+    tasks = {t: asyncio.create_task(_push_one(t, queues[t], token, timeout_s, security, taken))
+             for t in targets}
     results: dict[str, str] = {}
     try:
         pending: set[asyncio.Task] = {producer, *tasks.values()}
