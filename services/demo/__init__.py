@@ -17,9 +17,15 @@ from services.common.config import ConfigError, load_config
 
 def run(
     out: Path | None = typer.Option(None, "--out", help="output directory (report.json, plot, logs); "
-                                    "default runs/demo, runs/demo-recovery for --task recovery"),
+                                    "default runs/demo, runs/demo-recovery for --task recovery, each "
+                                    "+ -qwen2.5 with --tokenizer qwen2.5"),
     task: str = typer.Option("multiply", "--task", help="multiply: learn to use the code tool; recovery: "
                              "learn to read an interpreter error and fix the code (multi-turn)"),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="demo (default): the demo model's digit-level 512-token tokenizer; "
+        "qwen2.5: the real Qwen2.5 tokenizer and chat template, 151,936 tied embedding rows (each step "
+        "~33x slower: the full demo takes hours on CPU; docs/qwen-tokenizer.md); default output "
+        "directory gets a -qwen2.5 suffix"),
     quick: bool = typer.Option(False, "--quick", help="shortened demo (the CI end-to-end test's settings)"),
     seed: int = typer.Option(0, help="seed of data, model, SFT, sampling and training"),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON DemoConfig file"),
@@ -31,17 +37,23 @@ def run(
 
     if task not in ("multiply", "recovery"):
         raise ConfigError(f"--task: {task!r} is not one of multiply, recovery")
+    if tokenizer not in (None, "demo", "qwen2.5"):
+        raise ConfigError(f"--tokenizer: {tokenizer!r} is not one of demo, qwen2.5")
     values: dict[str, Any] = {"seed": seed}
     if task == "recovery":
         values.update({**RECOVERY, **(RECOVERY_QUICK if quick else {})})
     elif quick:
         values.update(QUICK)
+    if tokenizer is not None:
+        values["tokenizer"] = tokenizer
+        if tokenizer == "qwen2.5":  # a run of hours must not share a directory with the 5-minute one
+            values["out_dir"] = values.get("out_dir", "runs/demo") + "-qwen2.5"
     if out is not None:
         values["out_dir"] = str(out)
-    out = Path(values.get("out_dir", "runs/demo"))
     cfg = load_config(DemoConfig, file=config, env_prefix="RETOOL_DEMO", values=values, overrides=set_)
+    out = Path(cfg.out_dir)
     report = run_interruptible(Demo(cfg).run)
-    keys = ("before", "after", "steps", "wall_seconds", "trained_multi_call_responses")
+    keys = ("before", "after", "steps", "wall_seconds", "phase_seconds", "trained_multi_call_responses")
     summary = {k: report[k] for k in keys if k in report}
     print(json.dumps(summary, indent=2))
     print(f"artifacts in {out}: report.json, metrics.jsonl, progress.png, logs/", file=sys.stderr)

