@@ -340,6 +340,7 @@ async def test_when_no_target_moves_none_is_dropped_as_stalled():
 
 def test_stall_limit_is_a_third_of_the_deadline_at_most():
     assert stall_limit(None) == 30.0 and stall_limit(300) == 30.0 and stall_limit(9) == 3.0
+    assert stall_limit(0.0) == stall_limit(-1.0) == 0.1  # a retry with no deadline left
 
 
 def test_standalone_replica_process_receives_a_checkpoint(dirs, tmp_path):

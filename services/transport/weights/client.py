@@ -59,8 +59,9 @@ DEFAULT_STALL_S = 30.0
 
 def stall_limit(timeout_s: float | None) -> float:
     """How long one target may take no bucket while the others wait: 30 s, or a third of the push's
-    deadline when that is shorter (so a stalled target is dropped well before the others time out)."""
-    return DEFAULT_STALL_S if timeout_s is None else min(DEFAULT_STALL_S, timeout_s / 3)
+    deadline when that is shorter (so a stalled target is dropped well before the others time out),
+    never under 0.1 s (a retry late in its budget has almost no deadline left)."""
+    return DEFAULT_STALL_S if timeout_s is None else max(0.1, min(DEFAULT_STALL_S, timeout_s / 3))
 PUSH_METHOD = "/retool.v1.WeightService/PushWeights"
 
 
@@ -146,9 +147,17 @@ async def push_state_dict_async(named_tensors: Iterable[tuple[str, torch.Tensor]
         one keeps up (took a bucket in that time, or everything queued for it) is the straggler:
         dropped. When none moved (a slow machine or
         network, not one frozen replica) the fan-out keeps waiting: only the deadline ends it."""
-        while target not in stalled:
+        queue = queues[target]
+        if len(targets) == 1:
+            await queue.put(message)
+            return
+        # not once its stream ended (failed or cancelled): nobody takes from its queue any more
+        while target not in stalled and not tasks[target].done():
             try:
-                await asyncio.wait_for(queues[target].put(message), stall)
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow the cancellation that
+                # ends a failed push, which would leave the producer looping here forever
+                async with asyncio.timeout(stall):
+                    await queue.put(message)
                 return
             except TimeoutError:
                 now = time.monotonic()
