@@ -16,6 +16,11 @@ Invariants:
   when none remains and nothing is in flight, the data is used up (``in_flight(held) == 0``);
 - a group is stale, and must not be trained on, when its oldest generated token came from
   a policy more than ``max_staleness`` versions behind the trainer's;
+- while a step's update runs and the next batch is already read (``trainer.feed_overlap``:
+  ``begin_update``, until ``advance``), that step's batch counts as trained (``ahead``) and a
+  group's staleness is judged at the version the update will produce, the version it is trained
+  at: exactly what the sequential loop decides after ``advance``. Admission (``capacity``, the
+  version stamped on jobs) stays at the live ``version``: the policy the rollout fleet serves;
 - the state (``version``, ``admitted``) is part of every checkpoint: a resumed trainer
   neither re-admits nor forgets work, and neither loses nor gains slots (drops are
   acknowledged in Redis only with the checkpoint that contains their returned slot).
@@ -32,11 +37,18 @@ class StalenessManager:
     max_staleness: int
     version: int = 0
     admitted: int = 0
+    ahead: int = 0  # 1 while a step's update runs and the next batch is read (begin_update .. advance)
 
     @property
     def trained(self) -> int:
-        """Groups consumed by the steps so far (each step uses exactly ``batch_prompts``)."""
-        return self.version * self.batch_prompts
+        """Groups consumed by the steps so far (each step uses exactly ``batch_prompts``), the step
+        whose update is running included."""
+        return (self.version + self.ahead) * self.batch_prompts
+
+    def begin_update(self) -> None:
+        """A step's update started while the next batch is read (the overlapped feed); ``advance``
+        ends it. Never part of the state: a checkpoint is taken only after ``advance``."""
+        self.ahead = 1
 
     def capacity(self) -> int:
         """Prompt jobs that may still be admitted at the current version."""
@@ -67,9 +79,11 @@ class StalenessManager:
         if version < self.version:
             raise ValueError(f"policy version went back from {self.version} to {version}")
         self.version = version
+        self.ahead = 0
 
     def staleness(self, group_version: int) -> int:
-        return self.version - group_version
+        """Versions ``group_version`` lags the version the next batch is trained at."""
+        return self.version + self.ahead - group_version
 
     def is_stale(self, group_version: int) -> bool:
         return self.staleness(group_version) > self.max_staleness
