@@ -10,9 +10,9 @@ Invariants (the ``Trainer`` keeps them; this module only holds the task and its 
 - the prefetched batch is the batch the sequential loop would take next, up to the order groups
   arrive in: ``StalenessManager.begin_update`` makes staleness be judged at the version the batch
   is trained at (after step N) and counts step N's batch as trained, so drops, the ``used_up`` end
-  and the release floor are decided as after ``advance``; admission stays at the served version
-  (it admits no more than the sequential loop would) and is topped up again right after step N's
-  ``advance``, as the sequential loop's next collect would;
+  and the release floor are decided as after ``advance``; nothing is admitted during the update
+  (as in the sequential loop) and the feeder tops up right after step N's ``advance``, where the
+  sequential loop's next collect starts: the same jobs are admitted at the same versions;
 - a prefetched batch is never acknowledged before a step trained it: a checkpoint waits for the
   prefetch, ``release``s its batch for the checkpoint's state and the commit, and holds it again
   after (``GroupReader.hold``); a restart from that checkpoint finds its groups pending in Redis and
