@@ -287,7 +287,8 @@ class Trainer:
         a restarted trainer trains on it instead of dropping it as a duplicate.
 
         Run as a prefetch (``prefetch.py``) it starts while the previous step's update runs; its
-        ``group_wait_s`` deadline only counts from the update's end (``manager.ahead`` cleared).
+        ``group_wait_s`` deadline only counts from when the loop waits for the batch, as the
+        sequential loop's collect starts after the update, validation and checkpoint.
         """
         await self.feeder.top_up()
         keep = None
@@ -321,7 +322,7 @@ class Trainer:
                     f"dynamic_sampling.max_groups_pulled={limit} reached with only {len(held.groups)} "
                     f"of {self.tcfg.batch_prompts} usable groups (dropped: {dropped})"
                 )
-            if self.manager.ahead:  # a prefetch during an update: the wait counts from its end
+            if self._prefetch is not None and not self._prefetch.awaited:  # read ahead, not needed yet
                 deadline = time.monotonic() + self.cfg.group_wait_s
             if time.monotonic() > deadline:
                 in_flight = self.manager.in_flight(len(held.groups))

@@ -17,6 +17,8 @@ Invariants (the ``Trainer`` keeps them; this module only holds the task and its 
   prefetch, ``release``s its batch for the checkpoint's state and the commit, and holds it again
   after (``GroupReader.hold``); a restart from that checkpoint finds its groups pending in Redis and
   their jobs outstanding, so it trains them (at-least-once delivery; the ledger never saw them);
+- its ``group_wait_s`` deadline runs only once the loop waits for the batch (``result``, which
+  sets ``awaited``): the sequential collect starts only after the update, validation and checkpoint;
 - a stop releases it like the partial batch of a stop while waiting (``Trainer._release``); a crash
   leaves it pending in Redis, delivered again to the restarted trainer (same consumer).
 """
@@ -39,6 +41,7 @@ class Prefetch(Generic[T]):
         self.started = time.perf_counter()
         self.finished: float | None = None
         self.update_ended: float | None = None
+        self.awaited = False  # the loop waits for the batch: from here on ``group_wait_s`` counts
         self.task: asyncio.Task[T] = asyncio.create_task(self._run(collect))
 
     async def _run(self, collect: Callable[[], Awaitable[T]]) -> T:
@@ -54,6 +57,7 @@ class Prefetch(Generic[T]):
 
     async def result(self) -> T:
         """The collect's outcome (awaiting a finished one again returns the same)."""
+        self.awaited = True
         return await self.task
 
     def timings(self) -> dict[str, float]:
