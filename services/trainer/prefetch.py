@@ -12,7 +12,9 @@ Invariants (the ``Trainer`` keeps them; this module only holds the task and its 
   is trained at (after step N) and counts step N's batch as trained, so drops, the ``used_up`` end
   and the release floor are decided as after ``advance``; nothing is admitted during the update
   (as in the sequential loop) and the feeder tops up right after step N's ``advance``, where the
-  sequential loop's next collect starts: the same jobs are admitted at the same versions;
+  sequential loop's next collect starts: the same jobs are admitted at the same versions. Where
+  rollout timing changes the order groups arrive in, batches differ exactly as between two
+  sequential runs: every group is still kept, dropped or a duplicate once (the ledger check);
 - a prefetched batch is never acknowledged before a step trained it: a checkpoint waits for the
   prefetch, ``release``s its batch for the checkpoint's state and the commit, and holds it again
   after (``GroupReader.hold``); a restart from that checkpoint finds its groups pending in Redis and
