@@ -614,6 +614,8 @@ class Trainer:
                                 "perf/step_seconds": time.perf_counter() - start}, total)
             if self._prefetch is not None:
                 await self.feeder.top_up()  # at the new version: what the sequential next collect starts with
+                if self.manager.settle():  # drops read during the update, released as after that top-up
+                    await self.feeder.top_up()
                 self._prefetch.end_update()
         self._after_step(self.step)
         stop = self._broadcast(self.stop_requested)

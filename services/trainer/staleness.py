@@ -40,6 +40,7 @@ class StalenessManager:
     version: int = 0
     admitted: int = 0
     ahead: int = 0  # 1 while a step's update runs and the next batch is read (begin_update .. advance)
+    owed: int = 0  # releases the floor refused during an update, retried by ``settle`` (after the top-up)
 
     @property
     def trained(self) -> int:
@@ -73,7 +74,16 @@ class StalenessManager:
             raise ValueError(f"release: n must be >= 0, got {n}")
         given = max(min(n, self.admitted - self.trained), 0)
         self.admitted -= given
+        if self.ahead:  # the sequential loop releases after its top-up, under a higher admitted count
+            self.owed += n - given
         return given
+
+    def settle(self) -> int:
+        """After ``advance`` and the top-up that follows it: release what the floor refused during
+        the update (groups of jobs this state never admitted: a crashed predecessor's pushes, junk),
+        exactly as the sequential loop releases them in its next collect; returns how many."""
+        owed, self.owed = self.owed, 0
+        return self.release(owed)
 
     def in_flight(self, held: int) -> int:
         """Admitted jobs not resolved yet, when ``held`` accepted groups wait for the next step."""

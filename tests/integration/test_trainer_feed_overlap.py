@@ -47,7 +47,8 @@ pytestmark = pytest.mark.integration
 
 def _tcfg(**kw: object) -> TrainerConfig:
     base: dict[str, object] = dict(batch_prompts=2, group_size=2, mini_batch_size=2, max_staleness=1,
-                                   max_prompt_len=8, max_response_len=8, micro_batch_max_tokens=32)
+                                   max_prompt_len=8, max_response_len=8, micro_batch_max_tokens=32,
+                                   feed_overlap=True)
     return TrainerConfig(**{**base, **kw})
 
 
@@ -250,6 +251,6 @@ async def test_a_checkpoint_never_acknowledges_the_batch_read_ahead(redis_server
         f"p{i}:{i}" for i in range(10))
 
 
-def test_the_switch_keeps_the_sequential_loop(tmp_path: Path):
-    assert TrainerConfig().feed_overlap is True
-    assert TrainerConfig(feed_overlap=False).feed_overlap is False
+def test_the_sequential_loop_stays_the_default(tmp_path: Path):
+    assert TrainerConfig().feed_overlap is False  # see the field's description
+    assert TrainerConfig(feed_overlap=True).feed_overlap is True

@@ -100,3 +100,20 @@ def test_during_an_update_the_next_batch_is_judged_as_after_it_and_nothing_is_ad
     assert (m.ahead, m.trained, m.capacity(), m.staleness(0)) == (
         0, sequential.trained, sequential.capacity(), sequential.staleness(0))
     assert m.state_dict() == sequential.state_dict()
+
+
+def test_a_release_the_floor_refuses_during_an_update_is_settled_after_the_top_up():
+    """A group of a job this state never admitted (a crashed predecessor's push) dropped during the
+    update: the sequential loop drops it after its top-up, when the floor lets the slot go."""
+    m = StalenessManager(batch_prompts=1, max_staleness=0)
+    assert m.admit(5) == 1
+    m.begin_update()
+    assert m.release(1) == 0 and m.owed == 1  # nothing in flight: the floor refuses it now
+    m.advance(1)
+    assert m.admit(5) == 1  # the top-up after the update
+    assert m.settle() == 1 and m.owed == 0 and m.capacity() == 1
+    sequential = StalenessManager(batch_prompts=1, max_staleness=0, admitted=1)
+    sequential.advance(1)
+    sequential.admit(5)
+    sequential.release(1)
+    assert m.state_dict() == sequential.state_dict()
