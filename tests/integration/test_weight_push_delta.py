@@ -8,6 +8,7 @@ replica misses a push, one restarts, and one engine only has ``load_weights`` (t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -23,6 +24,7 @@ from services.transport.weights.bucketing import PushKind, WireTensor
 from services.transport.weights.client import (
     WeightPushError,
     get_replica_state,
+    get_version,
     is_stale_base,
     push_state_dict_async,
 )
@@ -84,6 +86,21 @@ class Replica:
 
     def metric(self, text: str) -> bool:
         return text in self.registry.render().decode()
+
+
+async def _answers(target: str, deadline_s: float) -> None:
+    """Wait until ``target`` answers GetVersion (in CI a replica just started once refused the first
+    connections: "Connection refused" right after its server was bound), failing at the deadline."""
+    loop = asyncio.get_running_loop()
+    end, last = loop.time() + deadline_s, None
+    while loop.time() < end:
+        try:
+            await get_version(target, timeout_s=2.0)
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure: not reachable yet
+            last = exc
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"{target} did not answer GetVersion within {deadline_s} s: {last}")
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -227,6 +244,7 @@ async def test_an_unreachable_replica_is_skipped_within_the_wait_and_gets_a_full
         bumped = {n: t + 0.01 if n.endswith("up_proj.weight") else t for n, t in weights.items()}
         await late.start()  # back, on the same address
         try:
+            await _answers(late.target, 30.0)  # the push below is judged once the replica is reachable
             caplog.clear()
             m = await pusher.push(bumped, 2)
             why = [getattr(r, "error", r.getMessage()) for r in caplog.records if r.levelname == "WARNING"]
