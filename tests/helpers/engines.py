@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from services.rollout.engine.base import GenerationChunk
+
 VLLM_TEST_KWARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,  # no torch.compile warm-up: starts faster, same numbers
@@ -80,3 +82,12 @@ def checkpoint_tensors(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     return list(tensors.items())
+
+
+def scripted_chunk(part: list[int], logprobs: list[float], version: int, last: bool,
+                   stop_str: str | None) -> GenerationChunk:
+    """One chunk of a scripted engine's turn: on its last chunk the turn ends at ``stop_str``
+    (``stop``) or, without one, at EOS; every token carries ``version``."""
+    return GenerationChunk(index=0, token_ids=part, logprobs=logprobs, versions=[version] * len(part),
+                           finished=last, finish_reason=("stop" if stop_str else "eos") if last else None,
+                           stop_str=stop_str if last else None)

@@ -29,6 +29,7 @@ from services.rollout.config import AgentConfig
 from services.rollout.engine.base import GenerationChunk, SamplingParams
 from services.transport.sandbox.client import SandboxClient
 from tests.helpers.agent_fixtures import make_tokenizer
+from tests.helpers.engines import scripted_chunk
 
 pytestmark = pytest.mark.integration
 TOK = make_tokenizer()  # byte-level, no merges: one token per character of these ASCII scripts
@@ -65,10 +66,7 @@ class SwapEngine:
             if (hold := self.holds.get((index, turn, k))) is not None:
                 await hold.wait()
             part, last = ids[k:k + self.chunk], k + self.chunk >= len(ids)
-            yield GenerationChunk(index=0, token_ids=part, logprobs=[_lp(k + j) for j in range(len(part))],
-                                  versions=[self.version] * len(part), finished=last,
-                                  finish_reason=("stop" if stop_str else "eos") if last else None,
-                                  stop_str=stop_str if last else None)
+            yield scripted_chunk(part, [_lp(k + j) for j in range(len(part))], self.version, last, stop_str)
             await asyncio.sleep(0)
 
     async def load_weights(self, named_tensors: Any, version: int) -> None:

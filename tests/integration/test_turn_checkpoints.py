@@ -28,6 +28,7 @@ from services.rollout.engine.base import GenerationChunk, SamplingParams
 from services.rollout.worker import RolloutWorker
 from services.transport.sandbox.client import SandboxClient
 from tests.helpers.agent_fixtures import make_tokenizer
+from tests.helpers.engines import scripted_chunk
 
 pytestmark = pytest.mark.integration
 TOK = make_tokenizer()
@@ -62,10 +63,7 @@ class TurnEngine:
                 await gate.wait()
             part, last = ids[k:k + 4], k + 4 >= len(ids)
             lps = [-0.25 - 0.001 * (k + j) for j in range(len(part))]
-            yield GenerationChunk(index=0, token_ids=part, logprobs=lps,
-                                  versions=[self.version] * len(part), finished=last,
-                                  finish_reason=("stop" if stop_str else "eos") if last else None,
-                                  stop_str=stop_str if last else None)
+            yield scripted_chunk(part, lps, self.version, last, stop_str)
             await asyncio.sleep(0)
 
     async def load_weights(self, named_tensors: Any, version: int) -> None:
