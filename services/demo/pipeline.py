@@ -236,6 +236,7 @@ class Demo:
         })
 
     def build_and_sft(self) -> Path:
+        # lazy: SFT imports torch (~2.5 s); the demo's other phases and its CLI start do not need it here
         from services.trainer.sft.run import run_sft
 
         cfg = self.sft_config(self.init_model())

@@ -61,7 +61,7 @@ def denied_calls() -> tuple[str, ...]:
 
 def build() -> bytes:
     """The filter as a BPF program (raises ImportError/OSError where libseccomp is unusable)."""
-    import pyseccomp as sc  # the runs' runtime provides it (runtime-requirements.txt)
+    import pyseccomp as sc  # lazy: only the runs' runtime provides it (runtime-requirements.txt)
 
     eperm = sc.ERRNO(errno.EPERM)
     flt = sc.SyscallFilter(sc.ALLOW)

@@ -10,12 +10,15 @@ Layers, bottom up (a package may import its own layer's shared packages and anyt
 4. orchestration (``stack``, ``eval``, ``demo``, ``cli``, ``model_cli``, ``models``): anything. ``models``
    (the tiny-model factory) is here because only orchestration, benchmarks and tests build models
    with it: no service may import it (the rollout and the trainer load the directory they are given).
-Every import counts: top-level, inside functions and under ``TYPE_CHECKING``.
+Every import counts: top-level, inside functions and under ``TYPE_CHECKING``. An import inside a
+function is the exception, kept only where it is heavy or optional, and says why with a ``# lazy:``
+comment between its function's ``def`` and the import itself.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -92,3 +95,36 @@ def test_the_checker_sees_function_local_and_type_checking_imports(tmp_path: Pat
                       "if TYPE_CHECKING:\n    from services.rollout import config\n"
                       "def f():\n    import services.reward.app\n    from . import x\n")
     assert imported_packages(module, "trainer") == {"rollout", "reward", "trainer"}
+
+
+LAZY_REASON = re.compile(r"#\s*lazy:")
+
+
+def unexplained_function_imports(path: Path) -> list[str]:
+    """``file:line`` of each import inside a function with no ``# lazy:`` comment between the
+    function's ``def`` line and the import."""
+    lines = path.read_text().splitlines()
+    tree = ast.parse("\n".join(lines), filename=str(path))
+    bad: set[str] = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                span = lines[fn.lineno - 1:node.end_lineno]
+                if not any(LAZY_REASON.search(line) for line in span):
+                    bad.add(f"{path}:{node.lineno}")
+    return sorted(bad)
+
+
+def test_function_level_imports_say_why() -> None:
+    bad = [b for p in _modules() if "proto_gen" not in p.parts for b in unexplained_function_imports(p)]
+    assert not bad, ("imports inside functions without a '# lazy: <why>' comment (lift them to the top of "
+                     f"the file, or say why they are heavy or optional): {bad}")
+
+
+def test_the_lazy_check_finds_an_unexplained_import(tmp_path: Path) -> None:
+    module = tmp_path / "probe.py"
+    module.write_text("def f():\n    # lazy: heavy\n    import json\n"
+                      "def g():\n    # a comment that gives no reason\n    import os\n")
+    assert unexplained_function_imports(module) == [f"{module}:6"]
