@@ -10,6 +10,11 @@ Invariants:
   no acknowledged group is lost and none is applied twice. Committing after every step
   instead keeps Redis small but loses the steps since the last checkpoint on a crash;
 - a batch that no step used is ``release``d: left pending and unseen, delivered again;
+  ``commit()`` acknowledges everything read since the last one, so a batch read ahead of the
+  step that will train it (``trainer.feed_overlap``) is ``release``d for a checkpoint's state and
+  commit and ``hold``-ed again after: it is never acknowledged before it was trained;
+- ``top_up`` and ``vanished`` never interleave (the overlapped feed tops up from two tasks): a job
+  is pushed and counted outstanding before any snapshot looks for it;
 - a group dropped as stale, malformed, by a filter (dynamic sampling) or as ``reward_timeout`` (a
   response graded with no reward under the reward service's ``timeout_policy=drop``: the whole
   group goes, so no response's advantage is computed against a baseline missing one) gives its admission slot
@@ -29,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +64,7 @@ class PromptFeeder:
         self.ledger = ledger
         self.cursor = 0  # jobs pushed so far, over all epochs
         self.outstanding: set[int] = set()  # cursors of admitted jobs not resolved yet
+        self._lock = asyncio.Lock()  # top_up and vanished, one at a time (see the module docstring)
 
     @property
     def exhausted(self) -> bool:
@@ -94,34 +101,36 @@ class PromptFeeder:
 
     async def top_up(self) -> int:
         """Push as many jobs as admission control allows; returns how many were pushed."""
-        left = len(self.dataset) * self.epochs - self.cursor
-        granted = self.manager.admit(left)
-        jobs = [self.job(self.cursor + i) for i in range(granted)]
-        if self.ledger is not None:  # recorded before any of them can be trained on
-            self.ledger.admit([j.job_id for j in jobs])
-        for job in jobs:
-            await self.stream.add(job.to_msgpack())
-            self.outstanding.add(self.cursor)
-            self.cursor += 1
-        return granted
+        async with self._lock:
+            left = len(self.dataset) * self.epochs - self.cursor
+            granted = self.manager.admit(left)
+            jobs = [self.job(self.cursor + i) for i in range(granted)]
+            if self.ledger is not None:  # recorded before any of them can be trained on
+                self.ledger.admit([j.job_id for j in jobs])
+            for job in jobs:
+                await self.stream.add(job.to_msgpack())
+                self.outstanding.add(self.cursor)
+                self.cursor += 1
+            return granted
 
     async def vanished(self, groups_stream: str, dead_stream: str) -> list[str]:
         """Outstanding jobs found in none of the prompts, groups and dead-letter streams."""
-        if not self.outstanding:
-            return []
-        client = self.stream.client
-        async with client.pipeline(transaction=True) as pipe:  # one consistent snapshot
-            pipe.xrange(self.stream.stream, "-", "+")
-            pipe.xrange(groups_stream, "-", "+")
-            pipe.xrange(dead_stream, "-", "+")
-            streams = await pipe.execute()
-        present: set[str] = set()
-        for entries in streams:
-            for _, fields in entries or []:
-                job_id = job_id_of(fields.get(b"d", b"")) if fields else None
-                if job_id is not None:
-                    present.add(job_id)
-        return [self.job(c).job_id for c in sorted(self.outstanding) if self.job(c).job_id not in present]
+        async with self._lock:  # no job pushed between the snapshot and the outstanding set read
+            if not self.outstanding:
+                return []
+            client = self.stream.client
+            async with client.pipeline(transaction=True) as pipe:  # one consistent snapshot
+                pipe.xrange(self.stream.stream, "-", "+")
+                pipe.xrange(groups_stream, "-", "+")
+                pipe.xrange(dead_stream, "-", "+")
+                streams = await pipe.execute()
+            present: set[str] = set()
+            for entries in streams:
+                for _, fields in entries or []:
+                    job_id = job_id_of(fields.get(b"d", b"")) if fields else None
+                    if job_id is not None:
+                        present.add(job_id)
+            return [self.job(c).job_id for c in sorted(self.outstanding) if self.job(c).job_id not in present]
 
     async def reissue(self, job_ids: list[str]) -> int:
         """Push vanished jobs again under their own ids (their admission slots are still held)."""
@@ -337,8 +346,16 @@ class GroupReader:
         self._seen -= job_ids
         self._seen_order = deque(j for j in self._seen_order if j not in job_ids)
 
+    def hold(self, batch: Batch) -> None:
+        """Undo ``release`` of a batch that a step will still train (read ahead, released only for
+        a checkpoint's state and commit): acknowledged with the next commit, remembered as seen."""
+        self._uncommitted.extend(batch.message_ids)
+        for g in batch.groups:
+            self._remember(g.job_id)
+
     async def commit(self) -> int:
-        """Acknowledge every group handed out since the last commit (see the module docstring)."""
+        """Acknowledge every group handed out since the last commit (see the module docstring);
+        a batch read ahead of its step must be ``release``d first (and ``hold``-ed after)."""
         ids, self._uncommitted = self._uncommitted, []
         return await self.stream.ack(*ids, delete=True)
 
