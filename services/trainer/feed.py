@@ -29,7 +29,14 @@ Invariants:
   one MULTI/EXEC snapshot; a job moves between them atomically, so a live one is always in one)
   was lost with Redis (AOF everysec loses up to a second) and is ``reissue``d under its own id;
 - ``DeadLetters`` resolves outstanding jobs that a rollout replica gave up on
-  (``<prompts>:dead``), with the replica's reason, and gives their admission slots back.
+  (``<prompts>:dead``), with the replica's reason, and gives their admission slots back;
+- a group is judged (kept, dropped or a duplicate) only once its job is admitted in this
+  trainer's state (``PromptFeeder.admitted``): a crashed predecessor admitted jobs beyond its last
+  checkpoint, and the resumed trainer can read their groups (its own pending list, or the stream)
+  before its admission reaches them. Such a group is ``parked``: held unjudged (pending in Redis,
+  never acknowledged, not seen) until ``top_up`` admits its job, then judged like any other. So a
+  job is resolved exactly once, after its admission (the ledger's order), its admission slot is
+  freed by that resolution, and the group the resumed run's own push produces is a duplicate.
 """
 
 from __future__ import annotations
@@ -94,6 +101,12 @@ class PromptFeeder:
         cursor = self.cursor_of(job_id)
         if cursor is not None and cursor < self.cursor:
             self.outstanding.add(cursor)
+
+    def admitted(self, job_id: str) -> bool:
+        """Whether this state admitted ``job_id`` (its cursor is below ``cursor``). A job id
+        without a cursor counts as admitted: its group is judged as it comes (not one of ours)."""
+        cursor = self.cursor_of(job_id)
+        return cursor is None or cursor < self.cursor
 
     def is_outstanding(self, job_id: str) -> bool:
         cursor = self.cursor_of(job_id)
@@ -233,10 +246,14 @@ class Batch:
 class GroupReader:
     def __init__(
         self, stream: RedisStream, consumer: str, manager: StalenessManager, *, seen_capacity: int = 100_000,
-        vocab_size: int | None = None,
+        vocab_size: int | None = None, admitted: Callable[[str], bool] | None = None,
     ) -> None:
-        """``vocab_size``: groups holding a token id >= it are dropped as malformed (None: not checked)."""
+        """``vocab_size``: groups holding a token id >= it are dropped as malformed (None: not checked);
+        ``admitted(job_id)``: whether the job is admitted yet (``PromptFeeder.admitted``); a group
+        of a job that is not is parked until it is (None: every job counts as admitted)."""
         self.stream = stream
+        self.admitted = admitted
+        self._parked: list[tuple[str, StreamMessage]] = []  # (job id, entry), in arrival order
         self.vocab_size = vocab_size
         self.consumer = consumer
         self.manager = manager
@@ -254,6 +271,33 @@ class GroupReader:
                 return own
             self._pending_after = None
         return await self.stream.read(self.consumer, count=count, block_ms=block_ms)
+
+    @property
+    def parked(self) -> list[str]:
+        """Job ids of the groups held until their job is admitted (see the module docstring)."""
+        return [job_id for job_id, _ in self._parked]
+
+    def _park(self, job_id: str | None, m: StreamMessage) -> bool:
+        """Hold ``m`` if its job is not admitted yet; True when parked."""
+        if job_id is None or self.admitted is None or self.admitted(job_id):
+            return False
+        log.info("group of a job not admitted yet (a crashed run's admission): held until it is",
+                 extra={"entry": m.id, "job_id": job_id})
+        self._parked.append((job_id, m))
+        return True
+
+    def _unparked(self, count: int) -> list[StreamMessage]:
+        """Up to ``count`` parked entries whose job is admitted now, oldest first."""
+        if not self._parked or self.admitted is None:
+            return []
+        out: list[StreamMessage] = []
+        for entry in list(self._parked):
+            if len(out) == count:
+                break
+            if self.admitted(entry[0]):
+                self._parked.remove(entry)
+                out.append(entry[1])
+        return out
 
     def remember(self, job_id: str) -> None:
         """Count ``job_id`` as resolved (a dead letter): a group for it later is a duplicate."""
@@ -277,7 +321,8 @@ class GroupReader:
         batch = Batch([], [])
         empty_rounds = 0
         while len(batch.groups) < size:
-            messages = await self._next_messages(size - len(batch.groups), block_ms)
+            wanted = size - len(batch.groups)
+            messages = self._unparked(wanted) or await self._next_messages(wanted, block_ms)
             if not messages:
                 empty_rounds += 1
                 if max_wait_rounds is not None and empty_rounds >= max_wait_rounds:
@@ -288,6 +333,8 @@ class GroupReader:
                     group = decode_group(m.data, vocab_size=self.vocab_size)
                 except ValueError as exc:
                     job_id = job_id_of(m.data)
+                    if self._park(job_id, m):
+                        continue
                     log.warning("dropping malformed group",
                                 extra={"entry": m.id, "job_id": job_id, "error": str(exc)[:500]})
                     batch.dropped["malformed"] += 1
@@ -298,6 +345,8 @@ class GroupReader:
                         batch.drops.append((job_id, "malformed"))
                     # without a readable job id the slot stays held: the job, if it was one, is
                     # found vanished once this entry is acknowledged, and re-issued
+                    continue
+                if self._park(group.job_id, m):
                     continue
                 reason = None
                 if group.job_id in self._seen:

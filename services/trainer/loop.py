@@ -257,7 +257,8 @@ class Trainer:
         self.ledger = LedgerWriter(ledger_path(self.tcfg.checkpoint_dir))
         self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs,
                                    ledger=self.ledger)
-        self.reader = GroupReader(groups, self.cfg.consumer, self.manager, vocab_size=self.vocab_size)
+        self.reader = GroupReader(groups, self.cfg.consumer, self.manager, vocab_size=self.vocab_size,
+                                  admitted=self.feeder.admitted)
         self.dead = DeadLetters(dead, self.cfg.consumer)
 
     def _resume(self) -> int:

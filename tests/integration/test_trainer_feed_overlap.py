@@ -6,7 +6,11 @@ trainer's own loop (``Trainer.train``, ``step_once``; only the FSDP step stubbed
 - a SIGTERM while the next batch is read ahead (complete, or still short of groups) releases it:
   the stop's checkpoint does not acknowledge it, and the restarted trainer trains it next;
 - a checkpoint's commit never acknowledges a batch read ahead: its groups stay pending in Redis,
-  and a crash right after that checkpoint loses none of them and trains none twice.
+  and a crash right after that checkpoint loses none of them and trains none twice;
+- a resumed trainer that reads groups of jobs its crashed predecessor admitted after the last
+  checkpoint, before its own admission reaches them, judges each once, after admitting it: none is
+  dropped or trained unadmitted, no admission slot is freed twice or never (the "admitted jobs never
+  came back" stall), none stays outstanding.
 
 The stub update runs in the loop's worker thread; where a test needs the batch read ahead before
 the update ends it waits for that (a condition with a deadline), so what is checked never depends
@@ -25,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from services.common.queue import connect
 from services.common.schemas import PromptJob
@@ -249,6 +254,61 @@ async def test_a_checkpoint_never_acknowledges_the_batch_read_ahead(redis_server
     assert sorted(second.ahead_at_checkpoint) == [3, 4]  # the last step reads nothing ahead
     assert sorted(await _check_ledger(redis_server.url, cfg, trained, 5)) == sorted(
         f"p{i}:{i}" for i in range(10))
+
+
+def _times_delivered(url: str, job_id: str) -> int:
+    """How often Redis delivered the pending group of ``job_id`` to the trainer (0: none pending).
+    A plain client: called from the update thread."""
+    client = redis.Redis.from_url(url)
+    try:
+        for p in client.xpending_range("groups", "trainer", "-", "+", 1000):
+            entry = client.xrange("groups", p["message_id"], p["message_id"])
+            if entry and job_id_of(entry[0][1][b"d"]) == job_id:
+                return int(p["times_delivered"])
+        return 0
+    finally:
+        client.close()
+
+
+async def test_groups_read_before_the_resumed_trainer_admits_their_jobs_wait_for_the_admission(
+        redis_server, tmp_path):
+    """Jobs 3 and 4 are filtered (dynamic sampling). The first trainer reads jobs 2 and 3 ahead
+    during step 1's update, admits jobs 4-6 after it (job 3's slot came back), drops job 4, admits
+    job 7 and reads job 5 into step 2's batch; it dies in step 2's update, before any checkpoint.
+    The restarted trainer replays that from its pending list: during its step 1's update it reads
+    2, 3, 4 and 5, and its state admits 4 and 5 only after that update. Each must be judged once,
+    after its admission: before the fix job 4 was dropped unadmitted (a ledger violation, and a
+    slot freed that it never held) and job 5 trained unadmitted and left outstanding for ever."""
+    cfg = run_config(redis_server.url, _tcfg(), tmp_path, save_every=10)
+    cfg = cfg.model_copy(update={"group_wait_s": 20.0})
+    jobs = _jobs(8, 2)
+    trained: dict[int, list[str]] = {}
+
+    def informative(job_id: str) -> bool:
+        return job_id not in ("p3:3", "p4:4")
+
+    def crash_in_step_2(loop: OverlapLoop, step: int) -> None:
+        if step == 2:
+            raise Crash(step)
+
+    def until_job_5_read_again(loop: OverlapLoop, step: int) -> None:
+        if step == 1:  # the restarted trainer admits jobs 4 and 5 after this update
+            wait_until(lambda: _times_delivered(redis_server.url, "p5:5") >= 2,
+                       "job 5's pending group read again during step 1's update")
+
+    async with ScriptedRollout(redis_server.url, informative, random.Random(0)):
+        assert await _train(OverlapLoop(cfg, jobs, trained, during_update=crash_in_step_2)) is None
+        assert trained[2] == ["p2:2", "p5:5"]  # jobs 4 and 5 admitted after step 1's update
+        second = OverlapLoop(cfg, jobs, trained, during_update=until_job_5_read_again)
+        steps = await _train(second)
+    assert steps == 3  # six informative jobs: three batches, then the data is used up
+    assert trained[2] == ["p2:2", "p5:5"]  # the same batch, job 5 judged once it was admitted
+    ids = await _check_ledger(redis_server.url, cfg, trained, steps)
+    assert sorted(ids) == [f"p{i}:{i}" for i in (0, 1, 2, 5, 6, 7)]
+    report = check_file(ledger_path(cfg.trainer.checkpoint_dir))
+    assert report.ended and report.dropped == {"filtered": 2} and report.outstanding == 0
+    assert second.manager.in_flight(0) == 0 and second.feeder.outstanding == set()
+    assert second.reader.parked == []  # every group held for its admission was judged
 
 
 def test_the_sequential_loop_stays_the_default(tmp_path: Path):
