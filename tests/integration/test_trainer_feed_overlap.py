@@ -311,6 +311,6 @@ async def test_groups_read_before_the_resumed_trainer_admits_their_jobs_wait_for
     assert second.reader.parked == []  # every group held for its admission was judged
 
 
-def test_the_sequential_loop_stays_the_default(tmp_path: Path):
-    assert TrainerConfig().feed_overlap is False  # see the field's description
-    assert TrainerConfig(feed_overlap=True).feed_overlap is True
+def test_the_overlapped_feed_is_the_default(tmp_path: Path):
+    assert TrainerConfig().feed_overlap is True  # see the field's description
+    assert TrainerConfig(feed_overlap=False).feed_overlap is False  # the sequential loop
