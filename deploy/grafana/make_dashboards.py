@@ -144,7 +144,10 @@ DASHBOARDS = {
             ),
             panel(6, "Entropy", {"entropy": "max(trainer_actor_entropy)"}),
             panel(7, "Grad norm", {"grad norm": "max(trainer_actor_grad_norm)"}),
-            panel(8, "Step time", {"step": "max(trainer_perf_step_seconds)"}, "s"),
+            panel(8, "Step time", {"step": "max(trainer_perf_step_seconds)",
+                                   "feed waited after the update": "max(trainer_perf_feed_wait_seconds)",
+                                   "feed read during the update": "max(trainer_perf_feed_overlap_seconds)"},
+                  "s"),
             panel(
                 9,
                 "Trained tokens per second",

@@ -92,6 +92,12 @@ class TrainerConfig(StrictModel):
     mini_batch_size: int = Field(64, ge=1, description="responses per optimizer step")
     micro_batch_max_tokens: int = Field(18432, ge=16, description="token budget of one packed micro-batch")
     use_packing: bool = True
+    feed_overlap: bool = Field(True, description=(
+        "read, decode, validate, dedupe and judge the staleness of step N+1's groups on rank 0 while "
+        "step N's update runs (in a worker thread): the feed leaves the critical path. The batches "
+        "are the ones the sequential loop takes (staleness judged at the version they train at), "
+        "never acknowledged before they are trained (services/trainer/prefetch.py); false: the "
+        "sequential loop (read after the update)"))
     padded_micro_batch_size: int | None = Field(None, ge=1, description="with use_packing=false: "
                                                 "sequences per padded micro-batch (None = token budget)")
     logprob_chunk_tokens: int = Field(4096, ge=1)

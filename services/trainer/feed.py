@@ -10,6 +10,11 @@ Invariants:
   no acknowledged group is lost and none is applied twice. Committing after every step
   instead keeps Redis small but loses the steps since the last checkpoint on a crash;
 - a batch that no step used is ``release``d: left pending and unseen, delivered again;
+  ``commit()`` acknowledges everything read since the last one, so a batch read ahead of the
+  step that will train it (``trainer.feed_overlap``) is ``release``d for a checkpoint's state and
+  commit and ``hold``-ed again after: it is never acknowledged before it was trained;
+- ``top_up`` and ``vanished`` never interleave (the overlapped feed tops up from two tasks): a job
+  is pushed and counted outstanding before any snapshot looks for it;
 - a group dropped as stale, malformed, by a filter (dynamic sampling) or as ``reward_timeout`` (a
   response graded with no reward under the reward service's ``timeout_policy=drop``: the whole
   group goes, so no response's advantage is computed against a baseline missing one) gives its admission slot
@@ -24,11 +29,19 @@ Invariants:
   one MULTI/EXEC snapshot; a job moves between them atomically, so a live one is always in one)
   was lost with Redis (AOF everysec loses up to a second) and is ``reissue``d under its own id;
 - ``DeadLetters`` resolves outstanding jobs that a rollout replica gave up on
-  (``<prompts>:dead``), with the replica's reason, and gives their admission slots back.
+  (``<prompts>:dead``), with the replica's reason, and gives their admission slots back;
+- a group is judged (kept, dropped or a duplicate) only once its job is admitted in this
+  trainer's state (``PromptFeeder.admitted``): a crashed predecessor admitted jobs beyond its last
+  checkpoint, and the resumed trainer can read their groups (its own pending list, or the stream)
+  before its admission reaches them. Such a group is ``parked``: held unjudged (pending in Redis,
+  never acknowledged, not seen) until ``top_up`` admits its job, then judged like any other. So a
+  job is resolved exactly once, after its admission (the ledger's order), its admission slot is
+  freed by that resolution, and the group the resumed run's own push produces is a duplicate.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +71,7 @@ class PromptFeeder:
         self.ledger = ledger
         self.cursor = 0  # jobs pushed so far, over all epochs
         self.outstanding: set[int] = set()  # cursors of admitted jobs not resolved yet
+        self._lock = asyncio.Lock()  # top_up and vanished, one at a time (see the module docstring)
 
     @property
     def exhausted(self) -> bool:
@@ -88,40 +102,48 @@ class PromptFeeder:
         if cursor is not None and cursor < self.cursor:
             self.outstanding.add(cursor)
 
+    def admitted(self, job_id: str) -> bool:
+        """Whether this state admitted ``job_id`` (its cursor is below ``cursor``). A job id
+        without a cursor counts as admitted: its group is judged as it comes (not one of ours)."""
+        cursor = self.cursor_of(job_id)
+        return cursor is None or cursor < self.cursor
+
     def is_outstanding(self, job_id: str) -> bool:
         cursor = self.cursor_of(job_id)
         return cursor is not None and cursor in self.outstanding
 
     async def top_up(self) -> int:
         """Push as many jobs as admission control allows; returns how many were pushed."""
-        left = len(self.dataset) * self.epochs - self.cursor
-        granted = self.manager.admit(left)
-        jobs = [self.job(self.cursor + i) for i in range(granted)]
-        if self.ledger is not None:  # recorded before any of them can be trained on
-            self.ledger.admit([j.job_id for j in jobs])
-        for job in jobs:
-            await self.stream.add(job.to_msgpack())
-            self.outstanding.add(self.cursor)
-            self.cursor += 1
-        return granted
+        async with self._lock:
+            left = len(self.dataset) * self.epochs - self.cursor
+            granted = self.manager.admit(left)
+            jobs = [self.job(self.cursor + i) for i in range(granted)]
+            if self.ledger is not None:  # recorded before any of them can be trained on
+                self.ledger.admit([j.job_id for j in jobs])
+            for job in jobs:
+                await self.stream.add(job.to_msgpack())
+                self.outstanding.add(self.cursor)
+                self.cursor += 1
+            return granted
 
     async def vanished(self, groups_stream: str, dead_stream: str) -> list[str]:
         """Outstanding jobs found in none of the prompts, groups and dead-letter streams."""
-        if not self.outstanding:
-            return []
-        client = self.stream.client
-        async with client.pipeline(transaction=True) as pipe:  # one consistent snapshot
-            pipe.xrange(self.stream.stream, "-", "+")
-            pipe.xrange(groups_stream, "-", "+")
-            pipe.xrange(dead_stream, "-", "+")
-            streams = await pipe.execute()
-        present: set[str] = set()
-        for entries in streams:
-            for _, fields in entries or []:
-                job_id = job_id_of(fields.get(b"d", b"")) if fields else None
-                if job_id is not None:
-                    present.add(job_id)
-        return [self.job(c).job_id for c in sorted(self.outstanding) if self.job(c).job_id not in present]
+        async with self._lock:  # no job pushed between the snapshot and the outstanding set read
+            if not self.outstanding:
+                return []
+            client = self.stream.client
+            async with client.pipeline(transaction=True) as pipe:  # one consistent snapshot
+                pipe.xrange(self.stream.stream, "-", "+")
+                pipe.xrange(groups_stream, "-", "+")
+                pipe.xrange(dead_stream, "-", "+")
+                streams = await pipe.execute()
+            present: set[str] = set()
+            for entries in streams:
+                for _, fields in entries or []:
+                    job_id = job_id_of(fields.get(b"d", b"")) if fields else None
+                    if job_id is not None:
+                        present.add(job_id)
+            return [self.job(c).job_id for c in sorted(self.outstanding) if self.job(c).job_id not in present]
 
     async def reissue(self, job_ids: list[str]) -> int:
         """Push vanished jobs again under their own ids (their admission slots are still held)."""
@@ -224,10 +246,14 @@ class Batch:
 class GroupReader:
     def __init__(
         self, stream: RedisStream, consumer: str, manager: StalenessManager, *, seen_capacity: int = 100_000,
-        vocab_size: int | None = None,
+        vocab_size: int | None = None, admitted: Callable[[str], bool] | None = None,
     ) -> None:
-        """``vocab_size``: groups holding a token id >= it are dropped as malformed (None: not checked)."""
+        """``vocab_size``: groups holding a token id >= it are dropped as malformed (None: not checked);
+        ``admitted(job_id)``: whether the job is admitted yet (``PromptFeeder.admitted``); a group
+        of a job that is not is parked until it is (None: every job counts as admitted)."""
         self.stream = stream
+        self.admitted = admitted
+        self._parked: list[tuple[str, StreamMessage]] = []  # (job id, entry), in arrival order
         self.vocab_size = vocab_size
         self.consumer = consumer
         self.manager = manager
@@ -245,6 +271,33 @@ class GroupReader:
                 return own
             self._pending_after = None
         return await self.stream.read(self.consumer, count=count, block_ms=block_ms)
+
+    @property
+    def parked(self) -> list[str]:
+        """Job ids of the groups held until their job is admitted (see the module docstring)."""
+        return [job_id for job_id, _ in self._parked]
+
+    def _park(self, job_id: str | None, m: StreamMessage) -> bool:
+        """Hold ``m`` if its job is not admitted yet; True when parked."""
+        if job_id is None or self.admitted is None or self.admitted(job_id):
+            return False
+        log.info("group of a job not admitted yet (a crashed run's admission): held until it is",
+                 extra={"entry": m.id, "job_id": job_id})
+        self._parked.append((job_id, m))
+        return True
+
+    def _unparked(self, count: int) -> list[StreamMessage]:
+        """Up to ``count`` parked entries whose job is admitted now, oldest first."""
+        if not self._parked or self.admitted is None:
+            return []
+        out: list[StreamMessage] = []
+        for entry in list(self._parked):
+            if len(out) == count:
+                break
+            if self.admitted(entry[0]):
+                self._parked.remove(entry)
+                out.append(entry[1])
+        return out
 
     def remember(self, job_id: str) -> None:
         """Count ``job_id`` as resolved (a dead letter): a group for it later is a duplicate."""
@@ -268,7 +321,8 @@ class GroupReader:
         batch = Batch([], [])
         empty_rounds = 0
         while len(batch.groups) < size:
-            messages = await self._next_messages(size - len(batch.groups), block_ms)
+            wanted = size - len(batch.groups)
+            messages = self._unparked(wanted) or await self._next_messages(wanted, block_ms)
             if not messages:
                 empty_rounds += 1
                 if max_wait_rounds is not None and empty_rounds >= max_wait_rounds:
@@ -279,6 +333,8 @@ class GroupReader:
                     group = decode_group(m.data, vocab_size=self.vocab_size)
                 except ValueError as exc:
                     job_id = job_id_of(m.data)
+                    if self._park(job_id, m):
+                        continue
                     log.warning("dropping malformed group",
                                 extra={"entry": m.id, "job_id": job_id, "error": str(exc)[:500]})
                     batch.dropped["malformed"] += 1
@@ -289,6 +345,8 @@ class GroupReader:
                         batch.drops.append((job_id, "malformed"))
                     # without a readable job id the slot stays held: the job, if it was one, is
                     # found vanished once this entry is acknowledged, and re-issued
+                    continue
+                if self._park(group.job_id, m):
                     continue
                 reason = None
                 if group.job_id in self._seen:
@@ -337,8 +395,16 @@ class GroupReader:
         self._seen -= job_ids
         self._seen_order = deque(j for j in self._seen_order if j not in job_ids)
 
+    def hold(self, batch: Batch) -> None:
+        """Undo ``release`` of a batch that a step will still train (read ahead, released only for
+        a checkpoint's state and commit): acknowledged with the next commit, remembered as seen."""
+        self._uncommitted.extend(batch.message_ids)
+        for g in batch.groups:
+            self._remember(g.job_id)
+
     async def commit(self) -> int:
-        """Acknowledge every group handed out since the last commit (see the module docstring)."""
+        """Acknowledge every group handed out since the last commit (see the module docstring);
+        a batch read ahead of its step must be ``release``d first (and ``hold``-ed after)."""
         ids, self._uncommitted = self._uncommitted, []
         return await self.stream.ack(*ids, delete=True)
 

@@ -3,7 +3,9 @@
 Per step (rank 0 does all I/O; every rank trains):
 1. top up the prompts stream within admission control (``StalenessManager``);
 2. read ``batch_prompts`` scored groups (stale / duplicate / zero-variance groups dropped
-   and counted), turn them into samples with group-relative advantages;
+   and counted), turn them into samples with group-relative advantages; with
+   ``trainer.feed_overlap`` the next step's groups are read while this step's update runs in a
+   worker thread (``prefetch.py``: same batches, never acknowledged before they are trained);
 3. ``train_step`` under FSDP (gloo on CPU, NCCL on GPU); with ``algorithm: ppo``,
    ``ppo.ppo_train_step``: critic values, GAE advantages, critic update, actor update;
 4. gather the full weights, push them to every rollout replica over gRPC, bump the version;
@@ -26,11 +28,13 @@ are delivered again; metrics go to the console, a JSONL file and Prometheus (ran
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +70,7 @@ from services.trainer.fsdp import (
 from services.trainer.ledger import LedgerWriter, ledger_path
 from services.trainer.observability import TrainerExporter, note_reissued, note_resumed, queue_stats
 from services.trainer.ppo import CriticSettings, ppo_train_step
+from services.trainer.prefetch import Prefetch
 from services.trainer.push import WeightPusher
 from services.trainer.run_config import RunConfig  # noqa: F401 - re-exported (retool trainer run)
 from services.trainer.staleness import StalenessManager
@@ -170,6 +175,15 @@ class MetricsSink:
 StepOutcome = Literal["trained", "stopped", "used_up"]
 
 
+@dataclass
+class Collected:
+    """A full batch (rank 0): what every rank trains on, and the groups behind it."""
+
+    rollouts: list[Rollout]
+    stats: dict[str, float]
+    held: Batch  # its groups and entries: the ledger's job ids, a release on a stop or a checkpoint
+
+
 class Trainer:
     """The RL loop. ``run`` sets up the model and calls ``train``: streams, resume, then
     ``step_once`` until the planned steps are made, the data is used up or a stop is requested.
@@ -185,6 +199,7 @@ class Trainer:
         self.jobs = list(jobs) if jobs is not None else None
         self.step = 0
         self.version = 0
+        self._prefetch: Prefetch[Collected | Literal["stop", "used_up"]] | None = None  # rank 0
 
     # ---- set-up -----------------------------------------------------------------------------
     def _setup_model(self) -> None:
@@ -242,7 +257,8 @@ class Trainer:
         self.ledger = LedgerWriter(ledger_path(self.tcfg.checkpoint_dir))
         self.feeder = PromptFeeder(prompts, jobs, self.manager, epochs=self.tcfg.total_epochs,
                                    ledger=self.ledger)
-        self.reader = GroupReader(groups, self.cfg.consumer, self.manager, vocab_size=self.vocab_size)
+        self.reader = GroupReader(groups, self.cfg.consumer, self.manager, vocab_size=self.vocab_size,
+                                  admitted=self.feeder.admitted)
         self.dead = DeadLetters(dead, self.cfg.consumer)
 
     def _resume(self) -> int:
@@ -263,13 +279,17 @@ class Trainer:
         return meta.step
 
     # ---- one step ---------------------------------------------------------------------------
-    async def _collect(self) -> tuple[list[Rollout], dict[str, float]] | Literal["stop", "used_up"]:
+    async def _collect(self) -> Collected | Literal["stop", "used_up"]:
         """The step's groups; ``"stop"`` when a stop was requested before the batch was full,
         ``"used_up"`` when every prompt was admitted and resolved and dropped groups (dynamic
         sampling, staleness) left the batch short: the run ends there, cleanly.
 
         In both cases the partial batch is released (left pending in Redis, not marked seen), so
         a restarted trainer trains on it instead of dropping it as a duplicate.
+
+        Run as a prefetch (``prefetch.py``) it starts while the previous step's update runs; its
+        ``group_wait_s`` deadline only counts from when the loop waits for the batch, as the
+        sequential loop's collect starts after the update, validation and checkpoint.
         """
         await self.feeder.top_up()
         keep = None
@@ -303,6 +323,8 @@ class Trainer:
                     f"dynamic_sampling.max_groups_pulled={limit} reached with only {len(held.groups)} "
                     f"of {self.tcfg.batch_prompts} usable groups (dropped: {dropped})"
                 )
+            if self._prefetch is not None and not self._prefetch.awaited:  # read ahead, not needed yet
+                deadline = time.monotonic() + self.cfg.group_wait_s
             if time.monotonic() > deadline:
                 in_flight = self.manager.in_flight(len(held.groups))
                 cause = (
@@ -347,14 +369,33 @@ class Trainer:
         stats.update({f"rollout/{k}": v for k, v in tool_curves(trajs).items() if v is not None})
 
         stats.update(await queue_stats(self.feeder.stream, self.reader.stream))
-        self._last_job_ids = [g.job_id for g in groups]
-        return rollouts_of(groups, self.cfg.incorrect_reward), stats
+        return Collected(rollouts_of(groups, self.cfg.incorrect_reward), stats, held)
 
     def _release(self, held: Any) -> None:
         """Give back a batch no step used: its jobs are outstanding again (see ``GroupReader.release``)."""
         self.reader.release(held)
         for g in held.groups:
             self.feeder.unresolve(g.job_id)
+
+    def _hold(self, held: Batch) -> None:
+        """Take back a batch ``_release``d only for a checkpoint (read ahead of its step)."""
+        self.reader.hold(held)
+        for g in held.groups:
+            self.feeder.resolve(g.job_id)
+
+    async def _prefetched(self) -> Batch | None:
+        """Rank 0: the batch read ahead of its step, once the prefetch finished; None if none is held."""
+        if self._prefetch is None:
+            return None
+        got = await self._prefetch.result()
+        return got.held if isinstance(got, Collected) else None
+
+    async def _drop_prefetch(self) -> None:
+        """A stop: the batch read ahead is released like a partial batch, for the restarted trainer."""
+        if (held := await self._prefetched()) is not None:
+            self._release(held)
+            log.info("stop requested: releasing the %d groups read ahead", len(held.groups))
+        self._prefetch = None
 
     def _account(self, batch: Any) -> None:
         """Ledger and outstanding set for what ``next_batch`` resolved: kept groups, drops, duplicates."""
@@ -440,7 +481,14 @@ class Trainer:
         return await self._pusher.push(weights, version)
 
     async def _checkpoint(self, step: int) -> None:
-        """Save ``step``, then acknowledge the groups the steps since the last save used."""
+        """Save ``step``, then acknowledge the groups the steps since the last save used.
+
+        Never a batch read ahead (``prefetch.py``): the checkpoint waits for the prefetch, releases
+        its batch for the state and the commit (its jobs outstanding, its groups unseen and pending
+        in Redis, as for a partial batch) and holds it again after, for the next step."""
+        ahead = await self._prefetched() if self.rank == 0 else None
+        if ahead is not None:
+            self._release(ahead)
         extra = (
             {"feeder": self.feeder.state_dict(), "reader": self.reader.state_dict()} if self.rank == 0 else {}
         )
@@ -459,6 +507,15 @@ class Trainer:
         if self.rank == 0:
             await self.reader.commit()
             await self.dead.commit()
+            if ahead is not None:
+                self._hold(ahead)
+
+    def _train_in_thread(self, rollouts: list[Rollout], step: int) -> dict[str, float]:
+        """``_train`` in a worker thread (the overlapped feed): the CUDA device is per thread."""
+        device = model_device(self.actor)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return self._train(rollouts, step)
 
     def _train(self, rollouts: list[Rollout], step: int) -> dict[str, float]:
         """The FSDP step on one batch (collective: every rank); returns its metrics."""
@@ -495,16 +552,42 @@ class Trainer:
         if os.environ.get(FAULT_KILL_AFTER_STEP) == str(step):  # a hard crash, like an OOM kill
             os.kill(os.getpid(), signal.SIGKILL)
 
+    async def _next_batch(self) -> Collected | Literal["stop", "used_up"]:
+        """Rank 0: the step's batch, read ahead during the last update or collected now, with
+        ``perf/feed_overlap_seconds`` (read while the update ran) and ``perf/feed_wait_seconds``
+        (still waited for after it). A stop requested before a batch read ahead was handed out
+        releases it (as ``_collect`` releases a partial one)."""
+        prefetch, self._prefetch = self._prefetch, None
+        if prefetch is None:
+            start = time.perf_counter()
+            got = await self._collect()
+            waited = time.perf_counter() - start
+            timings = {"perf/feed_overlap_seconds": 0.0, "perf/feed_wait_seconds": waited}
+        else:
+            got = await prefetch.result()
+            timings = prefetch.timings()
+            if isinstance(got, Collected) and self.stop_requested:
+                self._release(got.held)
+                log.info("stop requested: releasing the %d groups read ahead", len(got.held.groups))
+                return "stop"
+        if isinstance(got, Collected):
+            got.stats.update(timings)
+        return got
+
     async def step_once(self, total: int) -> StepOutcome:
         """One step on every rank: collect a batch (rank 0), train, push the weights, record
         (rank 0: admission, metrics, ledger), checkpoint every ``save_freq`` steps, at the last
         planned step ``total`` and on a stop (then commit the groups used).
 
+        With ``trainer.feed_overlap`` the update runs in a worker thread while rank 0 reads the
+        next step's batch (``prefetch.py``), except at the last planned step.
+
         ``"stopped"``: a stop was requested (while waiting for groups, or during the step) and a
         checkpoint written; ``"used_up"``: the data is used up before the batch was full
         (checkpoint written); ``"trained"``: ``self.step`` advanced by one."""
         start = time.perf_counter()
-        payload = self._broadcast(await self._collect() if self.rank == 0 else None)
+        got = await self._next_batch() if self.rank == 0 else None
+        payload = self._broadcast((got.rollouts, got.stats) if isinstance(got, Collected) else got)
         if payload == "stop":  # stopped while waiting for groups: checkpoint the last finished step
             await self._checkpoint(self.step)
             log.info("SIGTERM: checkpoint written at step %d, exiting", self.step)
@@ -514,15 +597,31 @@ class Trainer:
             log.warning("data used up at step %d of %d planned; checkpoint written", self.step, total)
             return "used_up"
         rollouts, stats = payload
-        metrics = self._train(rollouts, self.step)
+        overlap = self.tcfg.feed_overlap
+        if isinstance(got, Collected):  # rank 0
+            self._last_job_ids = [g.job_id for g in got.held.groups]
+            if overlap and self.step + 1 < total:
+                self.manager.begin_update()  # the batch read now is judged at the version after this step
+                self._prefetch = Prefetch(self._collect)
+        if overlap:
+            metrics = await asyncio.to_thread(self._train_in_thread, rollouts, self.step)
+        else:
+            metrics = self._train(rollouts, self.step)
         self.version += 1
         push = await self._push(self.version)
         self.step += 1
         if self.rank == 0:
             await self._record({**stats, **metrics, **push, "policy/version": float(self.version),
                                 "perf/step_seconds": time.perf_counter() - start}, total)
+            if self._prefetch is not None:
+                await self.feeder.top_up()  # at the new version: what the sequential next collect starts with
+                if self.manager.settle():  # drops read during the update, released as after that top-up
+                    await self.feeder.top_up()
+                self._prefetch.end_update()
         self._after_step(self.step)
         stop = self._broadcast(self.stop_requested)
+        if stop and self.rank == 0:
+            await self._drop_prefetch()
         if self.step % self.tcfg.save_freq == 0 or stop or self.step >= total:
             await self._checkpoint(self.step)
         if stop:
@@ -541,6 +640,9 @@ class Trainer:
         try:
             return await self._train_loop()
         finally:
+            if self._prefetch is not None:  # only on an error: what it read stays pending in Redis
+                await self._prefetch.cancel()
+                self._prefetch = None
             signal.signal(signal.SIGTERM, previous)
 
     async def _train_loop(self) -> int:

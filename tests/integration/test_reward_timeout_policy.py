@@ -104,12 +104,12 @@ async def test_a_timed_out_grade_drops_its_group_with_a_ledger_reason(redis_serv
             if payload == "used_up":
                 break
             assert payload != "stop"
-            rollouts, stats = payload
-            assert all(r.reward == -1.0 for r in rollouts)  # b's two wrong answers, never a None
-            assert stats["rollout/reward_timeouts"] == 0.0
-            trained += trainer._last_job_ids
+            job_ids = [g.job_id for g in payload.held.groups]
+            assert all(r.reward == -1.0 for r in payload.rollouts)  # b's two wrong answers, never a None
+            assert payload.stats["rollout/reward_timeouts"] == 0.0
+            trained += job_ids
             trainer.manager.advance(step)
-            trainer.ledger.trained(step, trainer._last_job_ids)
+            trainer.ledger.trained(step, job_ids)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

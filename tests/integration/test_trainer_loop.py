@@ -259,3 +259,26 @@ async def test_sigterm_while_waiting_for_groups_keeps_the_partial_batch_for_the_
     assert held in used[1]["job_ids"]  # trained on at step 2, not dropped as a duplicate
     assert await groups.pending() == 0
     await client.aclose()
+
+
+async def test_two_ranks_train_with_the_feed_overlapping_the_update(tmp_path, redis_server, replica):
+    """``trainer.feed_overlap`` under torchrun (2 ranks, gloo): the update runs in a worker thread
+    on every rank while rank 0 reads the next batch; collectives stay in order (one thread each)."""
+    from tests.helpers.torchrun import torchrun_cmd, torchrun_env
+
+    config = _config(tmp_path, replica["model"], redis_server.url, replica["target"], 3)
+    _set(config, feed_overlap=True, save_freq=2)
+    proc = await asyncio.create_subprocess_exec(
+        *torchrun_cmd("trainer", "run", "--config", str(config)), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT, env=torchrun_env(RETOOL_WEIGHT_TOKEN=TOKEN))
+    out, _ = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode == 0, out.decode()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3] and replica["engine"].version == 3
+    assert all("perf/feed_wait_seconds" in m for m in lines)
+    # steps 2 and 3 were read ahead during the update before them; step 1 had nothing before it
+    overlapped = [m["perf/feed_overlap_seconds"] for m in lines]
+    assert overlapped[0] == 0.0 and all(s > 0 for s in overlapped[1:])
+    client = connect(redis_server.url)
+    assert await RedisStream(client, "retool:groups", "trainer").pending() == 0
+    await client.aclose()

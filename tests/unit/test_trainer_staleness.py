@@ -81,3 +81,39 @@ def test_checkpointed_state_round_trips():
     clone = StalenessManager(4, 1)
     clone.load_state_dict(m.state_dict())
     assert (clone.capacity(), clone.in_flight(0)) == (m.capacity(), m.in_flight(0)) == (2, 6)
+
+
+def test_during_an_update_the_next_batch_is_judged_as_after_it_and_nothing_is_admitted():
+    """The overlapped feed (``begin_update`` .. ``advance``): the running step's batch counts as
+    trained and staleness is the one at the version the next batch trains at, as after ``advance``."""
+    m = StalenessManager(batch_prompts=2, max_staleness=1)
+    assert m.admit(10) == 4  # versions 0 and 1 may be in flight
+    m.begin_update()  # step 1 trains its 2 groups
+    assert m.capacity() == 0 and m.admit(5) == 0  # the sequential loop admits nothing here either
+    assert m.trained == 2 and m.in_flight(held=1) == 1
+    assert m.staleness(0) == 1 and not m.is_stale(0) and m.is_stale(-1)
+    assert m.release(100) == 2  # the floor is what the running step consumes
+    sequential = StalenessManager(batch_prompts=2, max_staleness=1, admitted=4)
+    sequential.advance(1)
+    sequential.release(100)
+    m.advance(1)
+    assert (m.ahead, m.trained, m.capacity(), m.staleness(0)) == (
+        0, sequential.trained, sequential.capacity(), sequential.staleness(0))
+    assert m.state_dict() == sequential.state_dict()
+
+
+def test_a_release_the_floor_refuses_during_an_update_is_settled_after_the_top_up():
+    """A group of a job this state never admitted (a crashed predecessor's push) dropped during the
+    update: the sequential loop drops it after its top-up, when the floor lets the slot go."""
+    m = StalenessManager(batch_prompts=1, max_staleness=0)
+    assert m.admit(5) == 1
+    m.begin_update()
+    assert m.release(1) == 0 and m.owed == 1  # nothing in flight: the floor refuses it now
+    m.advance(1)
+    assert m.admit(5) == 1  # the top-up after the update
+    assert m.settle() == 1 and m.owed == 0 and m.capacity() == 1
+    sequential = StalenessManager(batch_prompts=1, max_staleness=0, admitted=1)
+    sequential.advance(1)
+    sequential.admit(5)
+    sequential.release(1)
+    assert m.state_dict() == sequential.state_dict()
