@@ -23,9 +23,9 @@ def run(
                              "learn to read an interpreter error and fix the code (multi-turn)"),
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", help="demo (default): the demo model's digit-level 512-token tokenizer; "
-        "qwen2.5: the real Qwen2.5 tokenizer and chat template, 151,936 tied embedding rows (each step "
-        "~33x slower: the full demo takes hours on CPU; docs/qwen-tokenizer.md); default output "
-        "directory gets a -qwen2.5 suffix"),
+        "qwen2.5: the real Qwen2.5 tokenizer and chat template, 151,936 tied embedding rows (each SFT "
+        "step ~10x slower: the full demo takes about an hour on 2 CPU cores; docs/qwen-tokenizer.md); "
+        "default output directory gets a -qwen2.5 suffix"),
     quick: bool = typer.Option(False, "--quick", help="shortened demo (the CI end-to-end test's settings)"),
     seed: int = typer.Option(0, help="seed of data, model, SFT, sampling and training"),
     config: Path | None = typer.Option(None, "--config", "-c", help="YAML/JSON DemoConfig file"),
@@ -46,7 +46,7 @@ def run(
         values.update(QUICK)
     if tokenizer is not None:
         values["tokenizer"] = tokenizer
-        if tokenizer == "qwen2.5":  # a run of hours must not share a directory with the 5-minute one
+        if tokenizer == "qwen2.5":  # an hour's run must not share a directory with the 5-minute one
             values["out_dir"] = values.get("out_dir", "runs/demo") + "-qwen2.5"
     if out is not None:
         values["out_dir"] = str(out)

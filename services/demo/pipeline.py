@@ -105,8 +105,9 @@ class DemoConfig(StrictModel):
         "demo", description="demo: the preset's digit-level 512-token BPE (trained here, the default "
         "and the fast one); qwen2.5: the real Qwen2.5 tokenizer and Qwen2.5-Instruct chat template "
         "(default system prompt included: prompts ~39 tokens, a code trace ~75) with 151,936 embedding "
-        "rows, tied to the LM head to stay fast on CPU (one matrix, not two); every step costs ~33x "
-        "the demo tokenizer's (docs/qwen-tokenizer.md)")
+        "rows, tied to the LM head to stay fast on CPU (one matrix, not two); the LM head runs on the "
+        "loss positions only, still an SFT step costs ~10x the demo tokenizer's: the full demo takes "
+        "about an hour on 2 CPU cores (docs/qwen-tokenizer.md)")
     sft_model: str | None = Field(None, description="start RL from this SFT'd model directory (e.g. an "
                                   "earlier run's model/sft) instead of building and fine-tuning one")
     sft: SFTPhase = Field(default_factory=SFTPhase)

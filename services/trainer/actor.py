@@ -18,11 +18,12 @@ from services.trainer.logprobs import token_logprobs
 
 class Actor(nn.Module):
     def __init__(self, lm: nn.Module, *, chunk_tokens: int = 4096, temperature: float = 1.0,
-                 varlen_packed: bool = True, varlen_backend: str | None = None) -> None:
+                 varlen_packed: bool = True, varlen_backend: str | None = None, entropy: bool = True) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         self.temperature = temperature
+        self.entropy = entropy  # False: the entropy output is all 0 and not computed (SFT)
         self.padded_attn = str(lm.config._attn_implementation)
         self.packed_attn = varlen_attention.register() if varlen_packed else self.padded_attn
         self.varlen_backend = varlen_backend  # None: varlen_attention.backend_for (a benchmark pins one)
@@ -32,7 +33,10 @@ class Actor(nn.Module):
         return self.lm.model.layers  # type: ignore[return-value]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                attention_mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) ``[B, L]``; with ``positions`` (e.g. the loss mask) only those positions
+        go through the LM head and the others are 0 (``token_logprobs``)."""
         # packed rows (no 2-D mask) use per-sequence attention; padded batches use the model's own
         packed = attention_mask is None
         self.lm.config._attn_implementation = self.packed_attn if packed else self.padded_attn
@@ -45,7 +49,7 @@ class Actor(nn.Module):
                             use_cache=False, **extra)
         hidden = out.last_hidden_state
         return token_logprobs(hidden, self.lm.lm_head.weight, input_ids, temperature=self.temperature,
-                              chunk_tokens=self.chunk_tokens)
+                              chunk_tokens=self.chunk_tokens, positions=positions, entropy=self.entropy)
 
 
 def tiny_qwen2(*, hidden: int = 64, layers: int = 2, vocab: int = 256, heads: int = 4, kv_heads: int = 2,

@@ -139,7 +139,9 @@ def _local_micro_batches(minibatch: Sequence[TrainSample], settings: StepSetting
 
 
 def _forward(actor: nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    return actor(mb.input_ids, mb.position_ids, mb.attention_mask)
+    # the LM head on loss-mask positions only (0 elsewhere): every use of the log-probs and entropy
+    # (loss, metrics, mismatch, MIS) is masked by the same loss mask
+    return actor(mb.input_ids, mb.position_ids, mb.attention_mask, mb.loss_mask > 0)
 
 
 def _split_back(values: torch.Tensor, mb: MicroBatch, samples: Sequence[TrainSample]) -> list[torch.Tensor]:

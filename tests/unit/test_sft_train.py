@@ -101,7 +101,7 @@ def _runner(budget: int) -> SFTRunner:
     cfg = SFTConfig(model_path="unused", micro_batch_max_tokens=budget, data={"max_length": 30,  # type: ignore[arg-type]
                     "train_files": ["unused"]}, optim={"grad_clip": 1e9})  # type: ignore[arg-type]
     runner = SFTRunner(cfg)
-    runner.actor = Actor(tiny_qwen2(seed=1), chunk_tokens=8)
+    runner.actor = Actor(tiny_qwen2(seed=1), chunk_tokens=8, entropy=False)  # as _setup_model builds it
     runner.optimizer = torch.optim.SGD(runner.actor.parameters(), lr=0.1)
     runner.device, runner.autocast = torch.device("cpu"), False
     return runner
@@ -129,6 +129,27 @@ def test_loss_is_the_token_mean_nll_over_the_batch_whatever_the_micro_batches() 
                                                                                                rel=1e-5)
     for name, value in wa.items():
         torch.testing.assert_close(wb[name], value, atol=1e-6, rtol=1e-5)
+
+
+def test_the_step_equals_plain_cross_entropy_on_every_position_in_loss_and_update() -> None:
+    """SFT runs the LM head on loss-mask positions only, without entropy: the loss and the SGD update
+    equal a plain HF forward over every position with a masked token-mean cross-entropy."""
+    samples = _samples()
+    lm = tiny_qwen2(seed=1)
+    count = sum(float(s.loss_mask.sum()) for s in samples)
+    loss = sum((torch.nn.functional.cross_entropy(lm(input_ids=s.input_ids[None]).logits[0, :-1],
+                                                  s.input_ids[1:], reduction="none") * s.loss_mask[1:]).sum()
+               for s in samples) / count
+    loss.backward()  # type: ignore[union-attr]
+    with torch.no_grad():
+        want = {f"lm.{k}": p - 0.1 * p.grad for k, p in lm.named_parameters()}
+    runner = _runner(60)
+    out = runner.train_batch(samples)
+    assert out["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)  # type: ignore[union-attr]
+    got = dict(runner.actor.named_parameters())
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name].detach(), value, atol=1e-6, rtol=1e-5)
 
 
 def test_cli_dry_run_and_config_error(capsys: pytest.CaptureFixture[str],

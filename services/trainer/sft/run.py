@@ -108,7 +108,8 @@ class SFTRunner:
 
         torch.manual_seed(self.cfg.seed)
         lm = AutoModelForCausalLM.from_pretrained(str(self.cfg.model_path), dtype=torch.float32)
-        self.actor = Actor(lm, chunk_tokens=self.cfg.logprob_chunk_tokens)
+        # the loss is -log p on the loss mask alone: no entropy, and the LM head runs on mask positions only
+        self.actor = Actor(lm, chunk_tokens=self.cfg.logprob_chunk_tokens, entropy=False)
         self.device = torch.device(device_type())
         self.autocast = False
         if self.distributed:
@@ -161,7 +162,8 @@ class SFTRunner:
         ctx = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast
                else contextlib.nullcontext())
         with ctx:
-            lp, _ = self.actor(mb.input_ids.to(self.device), mb.position_ids.to(self.device), None)
+            lp, _ = self.actor(mb.input_ids.to(self.device), mb.position_ids.to(self.device), None,
+                               mb.loss_mask.to(self.device) > 0)
         return lp.float()
 
     def train_batch(self, batch: list[Any]) -> dict[str, float]:
