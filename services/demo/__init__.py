@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
-from services.common.config import ConfigError, load_config
+from services.common.config import load_config
 
 
 def run(
@@ -32,24 +31,10 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="override, e.g. --set grpo.steps=20"),
 ) -> None:
     # lazy: the demo's pipeline and the local stack import numpy, httpx, pyarrow: not at CLI start
-    from services.demo.pipeline import QUICK, RECOVERY, RECOVERY_QUICK, Demo, DemoConfig
+    from services.demo.pipeline import Demo, DemoConfig, demo_values
     from services.stack.local import run_interruptible
 
-    if task not in ("multiply", "recovery"):
-        raise ConfigError(f"--task: {task!r} is not one of multiply, recovery")
-    if tokenizer not in (None, "demo", "qwen2.5"):
-        raise ConfigError(f"--tokenizer: {tokenizer!r} is not one of demo, qwen2.5")
-    values: dict[str, Any] = {"seed": seed}
-    if task == "recovery":
-        values.update({**RECOVERY, **(RECOVERY_QUICK if quick else {})})
-    elif quick:
-        values.update(QUICK)
-    if tokenizer is not None:
-        values["tokenizer"] = tokenizer
-        if tokenizer == "qwen2.5":  # an hour's run must not share a directory with the 5-minute one
-            values["out_dir"] = values.get("out_dir", "runs/demo") + "-qwen2.5"
-    if out is not None:
-        values["out_dir"] = str(out)
+    values = demo_values(task=task, tokenizer=tokenizer, quick=quick, seed=seed, out=out)
     cfg = load_config(DemoConfig, file=config, env_prefix="RETOOL_DEMO", values=values, overrides=set_)
     out = Path(cfg.out_dir)
     report = run_interruptible(Demo(cfg).run)

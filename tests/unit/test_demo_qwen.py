@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, load_config
-from services.demo.pipeline import MAX_PROMPT_LEN, SFT_MAX_LENGTH, Demo, DemoConfig
+from services.demo.pipeline import MAX_PROMPT_LEN, SFT_MAX_LENGTH, Demo, DemoConfig, demo_values
 from services.demo.task import TaskConfig
 
 SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
@@ -122,3 +122,20 @@ def test_an_unknown_tokenizer_is_refused_naming_the_field() -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--tokenizer: 'gpt2' is not one of demo, qwen2.5" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_qwen_demo_runs_600_sft_steps_unless_told_otherwise() -> None:
+    """``retool demo --tokenizer qwen2.5`` is the run docs/qwen-tokenizer.md measured (600 SFT steps,
+    the rest as the default demo); ``--set`` still wins, and the default demo keeps its 1,200."""
+    qwen = load_config(DemoConfig, values=demo_values(task="multiply", tokenizer="qwen2.5", quick=False,
+                                                      seed=0, out=None))
+    assert (qwen.sft.steps, qwen.out_dir) == (600, "runs/demo-qwen2.5")
+    assert qwen.grpo == DemoConfig().grpo
+    told = load_config(DemoConfig, values=demo_values(task="multiply", tokenizer="qwen2.5", quick=False,
+                                                      seed=0, out=None), overrides=["sft.steps=50"])
+    assert told.sft.steps == 50
+    plain = load_config(DemoConfig, values=demo_values(task="multiply", tokenizer=None, quick=False, seed=0,
+                                                       out=None))
+    assert plain.sft.steps == DemoConfig().sft.steps == 1200
+    with pytest.raises(ConfigError, match="--tokenizer: 'gpt2'"):
+        demo_values(task="multiply", tokenizer="gpt2", quick=False, seed=0, out=None)
