@@ -23,7 +23,7 @@ def run(
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", help="demo (default): the demo model's digit-level 512-token tokenizer; "
         "qwen2.5: the real Qwen2.5 tokenizer and chat template, 151,936 tied embedding rows (each SFT "
-        "step ~10x slower: the full demo takes about an hour on 2 CPU cores; docs/qwen-tokenizer.md); "
+        "step ~10x slower; 600 SFT steps: the full demo takes ~40 min on 2 cores; docs/qwen-tokenizer.md); "
         "default output directory gets a -qwen2.5 suffix"),
     quick: bool = typer.Option(False, "--quick", help="shortened demo (the CI end-to-end test's settings)"),
     seed: int = typer.Option(0, help="seed of data, model, SFT, sampling and training"),

@@ -107,7 +107,7 @@ class DemoConfig(StrictModel):
         "(default system prompt included: prompts ~39 tokens, a code trace ~75) with 151,936 embedding "
         "rows, tied to the LM head to stay fast on CPU (one matrix, not two); the LM head runs on the "
         "loss positions only, still an SFT step costs ~10x the demo tokenizer's: the full demo takes "
-        "about an hour on 2 CPU cores (docs/qwen-tokenizer.md)")
+        "~40 min on 2 CPU cores with 600 SFT steps (QWEN) (docs/qwen-tokenizer.md)")
     sft_model: str | None = Field(None, description="start RL from this SFT'd model directory (e.g. an "
                                   "earlier run's model/sft) instead of building and fine-tuning one")
     sft: SFTPhase = Field(default_factory=SFTPhase)
