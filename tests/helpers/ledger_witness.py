@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.queue import connect
 from services.trainer.ledger import LedgerReport, check, read_records
 
 STREAM_DROPS = ("stale", "filtered", "malformed")  # drops of a group read from the groups stream
@@ -86,6 +87,16 @@ async def check_ledger_against_redis(client: Any, ledger: Path, *, groups_stream
     check_ledger_against(ledger, groups, await stream_witness(client, dead_stream, group))
     return groups
 
+
+async def check_trainer_ledger_against_redis(url: str, ledger: Path) -> StreamWitness:
+    """``check_ledger_against_redis`` on the Redis at ``url``, with the trainer's default streams
+    (``groups``, ``prompts:dead``) and consumer group (``trainer``)."""
+    client = connect(url)
+    try:
+        return await check_ledger_against_redis(client, ledger, groups_stream="groups",
+                                                dead_stream="prompts:dead", group="trainer")
+    finally:
+        await client.aclose()
 
 def _resolved(ledger: Path) -> tuple[LedgerReport, int]:
     records, torn = read_records(ledger)

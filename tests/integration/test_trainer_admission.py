@@ -32,7 +32,7 @@ from services.trainer.ledger import check_file, ledger_path
 from services.trainer.loop import RunConfig, Trainer
 from services.trainer.prefetch import cancel_and_wait
 from services.trainer.staleness import StalenessManager
-from tests.helpers.ledger_witness import check_ledger_against_redis
+from tests.helpers.ledger_witness import check_trainer_ledger_against_redis
 
 pytestmark = pytest.mark.integration
 
@@ -170,12 +170,7 @@ async def _run(url: str, tcfg: TrainerConfig, jobs: list[PromptJob], tmp: Path, 
     assert report.ended and report.steps == step and report.trained_groups == len(ids)
     assert report.outstanding == manager.in_flight(0)
     assert report.resumes[0] == 0 and report.resumes[1:] == sorted(report.resumes[1:])
-    client = connect(url)
-    try:
-        await check_ledger_against_redis(client, ledger_path(cfg.trainer.checkpoint_dir),
-                                         groups_stream="groups", dead_stream="prompts:dead", group="trainer")
-    finally:
-        await client.aclose()
+    await check_trainer_ledger_against_redis(url, ledger_path(cfg.trainer.checkpoint_dir))
     return step, ids, manager
 
 

@@ -37,7 +37,7 @@ from services.trainer.config import TrainerConfig
 from services.trainer.feed import job_id_of
 from services.trainer.ledger import check_file, ledger_path
 from services.trainer.loop import Collected, RunConfig
-from tests.helpers.ledger_witness import check_ledger_against_redis
+from tests.helpers.ledger_witness import check_trainer_ledger_against_redis
 from tests.integration.test_trainer_admission import (
     Crash,
     LoopUnderTest,
@@ -127,12 +127,7 @@ async def _check_ledger(url: str, cfg: RunConfig, trained: dict[int, list[str]],
     report = check_file(ledger_path(cfg.trainer.checkpoint_dir))
     assert report.ok, report.violations
     assert report.steps == steps and report.trained_groups == len(ids)
-    client = connect(url)
-    try:
-        await check_ledger_against_redis(client, ledger_path(cfg.trainer.checkpoint_dir),
-                                         groups_stream="groups", dead_stream="prompts:dead", group="trainer")
-    finally:
-        await client.aclose()
+    await check_trainer_ledger_against_redis(url, ledger_path(cfg.trainer.checkpoint_dir))
     return ids
 
 
