@@ -5,6 +5,8 @@ entropy), a masked loss keeps its value and gradients."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -111,6 +113,23 @@ def test_bad_arguments_are_refused_naming_them():
         token_logprobs(h, w, ids, temperature=0.0)
 
 
+def _same_step(actors: list[Actor], samples: Any, settings: Any, *, atol: float, rel: float,
+               abs_: float) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, float]]]:
+    """One SGD step (parameter change = lr x gradient) of each actor on the same samples; asserts
+    that they end with the same parameters (``atol``, rtol 1e-5) and metrics (``rel``, ``abs_``)."""
+    params, metrics = [], []
+    for actor in actors:
+        opt = torch.optim.SGD(actor.parameters(), lr=0.5)
+        metrics.append(train_step(actor, opt, samples, settings))
+        params.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
+    for k in params[0]:
+        torch.testing.assert_close(params[0][k], params[1][k], atol=atol, rtol=1e-5)
+    assert metrics[0].keys() == metrics[1].keys()
+    for k in metrics[0]:
+        assert metrics[0][k] == pytest.approx(metrics[1][k], rel=rel, abs=abs_), k
+    return params, metrics
+
+
 def test_chunking_is_transparent_to_a_training_step():
     gen = torch.Generator().manual_seed(7)
     samples = []
@@ -122,17 +141,8 @@ def test_chunking_is_transparent_to_a_training_step():
         samples.append(TrainSample(input_ids=ids, loss_mask=mask, advantages=adv,
                                    rollout_logprobs=-torch.rand(n, generator=gen)))
     settings = StepSettings(mini_batch_size=2, micro_batch_max_tokens=64, entropy_coeff=0.01)
-    params, metrics = [], []
-    for chunk in (5, 10**6):
-        actor = Actor(tiny_qwen2(seed=3), chunk_tokens=chunk)
-        opt = torch.optim.SGD(actor.parameters(), lr=0.5)  # SGD: parameter change = lr × gradient
-        metrics.append(train_step(actor, opt, samples, settings))
-        params.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-    for k in params[0]:
-        torch.testing.assert_close(params[0][k], params[1][k], atol=1e-5, rtol=1e-5)
-    assert metrics[0].keys() == metrics[1].keys()
-    for k in metrics[0]:
-        assert metrics[0][k] == pytest.approx(metrics[1][k], rel=1e-4, abs=1e-6), k
+    params, _ = _same_step([Actor(tiny_qwen2(seed=3), chunk_tokens=chunk) for chunk in (5, 10**6)],
+                           samples, settings, atol=1e-5, rel=1e-4, abs_=1e-6)
     initial = Actor(tiny_qwen2(seed=3)).state_dict()["lm.lm_head.weight"]
     assert params[0]["lm.lm_head.weight"].ne(initial).any()  # the step did move the head
 
@@ -226,14 +236,5 @@ def test_a_training_step_with_the_head_on_loss_positions_equals_every_position(e
                                    ref_logprobs=-torch.rand(n, generator=gen) * mask))
     settings = StepSettings(mini_batch_size=2, micro_batch_max_tokens=64, entropy_coeff=entropy_coeff,
                             kl_coef=0.1, tis_cap=2.0)
-    params, metrics = [], []
-    for cls in (Actor, _EveryPosition):
-        actor = cls(tiny_qwen2(seed=3), chunk_tokens=7)
-        opt = torch.optim.SGD(actor.parameters(), lr=0.5)
-        metrics.append(train_step(actor, opt, samples, settings))
-        params.append({k: v.detach().clone() for k, v in actor.state_dict().items()})
-    for k in params[0]:
-        torch.testing.assert_close(params[0][k], params[1][k], atol=1e-6, rtol=1e-5)
-    assert metrics[0].keys() == metrics[1].keys()
-    for k in metrics[0]:
-        assert metrics[0][k] == pytest.approx(metrics[1][k], rel=1e-5, abs=1e-7), k
+    _same_step([cls(tiny_qwen2(seed=3), chunk_tokens=7) for cls in (Actor, _EveryPosition)],
+               samples, settings, atol=1e-6, rel=1e-5, abs_=1e-7)
