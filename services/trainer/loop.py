@@ -390,11 +390,15 @@ class Trainer:
         got = await self._prefetch.result()
         return got.held if isinstance(got, Collected) else None
 
+    def _release_ahead(self, held: Batch) -> None:
+        """A stop: a batch read ahead is released like a partial batch, for the restarted trainer."""
+        self._release(held)
+        log.info("stop requested: releasing the %d groups read ahead", len(held.groups))
+
     async def _drop_prefetch(self) -> None:
-        """A stop: the batch read ahead is released like a partial batch, for the restarted trainer."""
+        """A stop after the update: the batch being read ahead is released (``_release_ahead``)."""
         if (held := await self._prefetched()) is not None:
-            self._release(held)
-            log.info("stop requested: releasing the %d groups read ahead", len(held.groups))
+            self._release_ahead(held)
         self._prefetch = None
 
     def _account(self, batch: Any) -> None:
@@ -567,8 +571,7 @@ class Trainer:
             got = await prefetch.result()
             timings = prefetch.timings()
             if isinstance(got, Collected) and self.stop_requested:
-                self._release(got.held)
-                log.info("stop requested: releasing the %d groups read ahead", len(got.held.groups))
+                self._release_ahead(got.held)
                 return "stop"
         if isinstance(got, Collected):
             got.stats.update(timings)
